@@ -1,0 +1,84 @@
+"""Writing and reading the torch backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing).
+
+FULL_STATE_DICT: rank 0 writes `model.safetensors` + `config.json` (a directory `from_pretrained` loads
+outside FSDP) and `optimizer.pt`, gathered from every shard. SHARDED_STATE_DICT: every rank writes its
+shards with torch.distributed.checkpoint under `sharded/`. Both add `rng/rank_*.pt` per rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.errors import UserError
+from portable_fsdp.plan import StateDictType
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_checkpoint(state, directory: pathlib.Path) -> None:
+    """Every rank calls this; `directory` exists (rank 0 made it)."""
+    directory = pathlib.Path(directory)
+    rank = dist.get_rank()
+    if state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
+        model_sd = get_model_state_dict(state.model, options=FULL)
+        optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)
+        if rank == 0:
+            state.model.save_pretrained(directory, state_dict=model_sd, safe_serialization=True)
+            torch.save(optim_sd, directory / "optimizer.pt")
+    else:
+        dcp.save({"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)},
+                 checkpoint_id=str(directory / "sharded"))
+        if rank == 0:
+            state.model.config.save_pretrained(directory)
+    (directory / "rng").mkdir(exist_ok=True)
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None},
+               directory / "rng" / f"rank_{rank:05d}.pt")
+
+
+def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
+    """Restore weights, optimizer state, step and RNG; FULL checkpoints load at any world size."""
+    directory = pathlib.Path(directory)
+    if (directory / "model.safetensors").exists():
+        _load_full(state, directory)
+    elif (directory / "sharded").is_dir():
+        _load_sharded(state, directory)
+    else:
+        raise UserError("train.resume", f"{directory} holds neither model.safetensors nor sharded/; it is not a checkpoint")
+    rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng_file.exists() and manifest.get("world_size") == dist.get_world_size():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # another world size: a fresh, still deterministic stream per rank
+        torch.manual_seed(state.ctx.config.seed + manifest["step"] * 1000 + dist.get_rank())
+    return dataclasses.replace(state, step=manifest["step"])
+
+
+def _load_full(state, directory: pathlib.Path) -> None:
+    from safetensors.torch import load_file
+
+    weights = full_state_dict_with_ties(state.model, load_file(directory / "model.safetensors"))
+    set_model_state_dict(state.model, weights, options=StateDictOptions(full_state_dict=True))
+    optim_file = directory / "optimizer.pt"
+    if optim_file.exists():
+        optim_sd = torch.load(optim_file, weights_only=False)
+        set_optimizer_state_dict(state.model, state.optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+
+
+def _load_sharded(state, directory: pathlib.Path) -> None:
+    model_sd = get_model_state_dict(state.model)
+    optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
+    bundle = {"model": model_sd, "optim": optim_sd}
+    dcp.load(bundle, checkpoint_id=str(directory / "sharded"))
+    set_model_state_dict(state.model, bundle["model"])
+    set_optimizer_state_dict(state.model, state.optimizer, bundle["optim"])

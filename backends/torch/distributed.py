@@ -1,0 +1,42 @@
+"""Process-group set-up for one worker: gloo on CPU, NCCL on CUDA, with a bounded collective timeout."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    backend: str  # "cpu" | "cuda"
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def initialize(backend: str, timeout_s: int) -> Runtime:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if backend == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # Share the cores between the local workers instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if backend == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "cuda" else None)
+    return Runtime(backend, rank, world_size, local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

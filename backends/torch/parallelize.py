@@ -1,0 +1,88 @@
+"""The plan applied to a torch model, one technique per function, in a fixed order:
+activation checkpointing, then `fully_shard` of each wrapped unit, then the root."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from portable_fsdp.plan import ShardingPlan, WrapPolicy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple, device_type: str) -> nn.Module:
+    if plan.activation_checkpointing:
+        apply_activation_checkpointing(model, layer_classes)
+    apply_fsdp(model, plan, mesh, layer_classes, device_type)
+    return model
+
+
+def _class_name(module: nn.Module) -> str:
+    inner = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+    return type(inner).__name__
+
+
+def apply_activation_checkpointing(model: nn.Module, layer_classes: tuple) -> None:
+    """Wrap every transformer layer so its activations are recomputed in backward."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child).__name__ in layer_classes:
+                parent.register_module(name, checkpoint_wrapper(child))
+
+
+def fsdp_kwargs(plan: ShardingPlan, mesh, device_type: str) -> dict:
+    mp = plan.mixed_precision
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if plan.cpu_offload else OffloadPolicy()
+    return dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, offload_policy=offload,
+                mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[mp.param_dtype], reduce_dtype=DTYPES[mp.reduce_dtype]))
+
+
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple, device_type: str) -> None:
+    kwargs = fsdp_kwargs(plan, mesh, device_type)
+    if plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP:
+        units = [m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)]
+    elif plan.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP:
+        units = _size_based_units(model, plan.min_num_params)
+    else:
+        warnings.warn("plan.auto_wrap_policy=NO_WRAP: the whole model is one FSDP unit, so every parameter is "
+                      "gathered at once and sharding saves no memory at compute time", stacklevel=2)
+        units = []
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:
+    """A layer inside a CheckpointWrapper is sharded through its wrapper (torchtitan's order)."""
+    return any(isinstance(m, CheckpointWrapper) and m._checkpoint_wrapped_module is module for m in model.modules())
+
+
+def _size_based_units(model: nn.Module, min_num_params: int) -> list:
+    """Post-order, as torch's size_based_auto_wrap_policy: a module becomes a unit when the parameters it
+    holds outside units already chosen below it reach `min_num_params`. Never the root, never a layer
+    inside a CheckpointWrapper (the wrapper is the unit), never a module holding a tied parameter
+    (both users of a tied weight must stay in one unit: the root)."""
+    owners: dict = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    tied = {pid for pid, mods in owners.items() if len(mods) > 1}
+    units = []
+
+    def visit(module: nn.Module, wrapped_by_checkpoint: bool) -> int:
+        remaining = sum(visit(child, isinstance(module, CheckpointWrapper)) for child in module.children())
+        own = list(module.parameters(recurse=False))
+        remaining += sum(p.numel() for p in own)
+        eligible = (module is not model and not wrapped_by_checkpoint and remaining >= min_num_params
+                    and not any(id(p) in tied for p in module.parameters()))
+        if eligible:
+            units.append(module)
+            return 0
+        return remaining
+
+    visit(model, False)
+    return units

@@ -1,0 +1,220 @@
+"""The functional training surface of the torch lowering: `init(config, plan) -> state`,
+`train_step(state, micro_batches) -> (state, metrics)`, `eval_step(state, batch) -> metrics`.
+
+Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch. FSDP averages
+gradients over the data-parallel ranks, so each rank's backward scales its token-loss sum by
+dp_size / global_tokens (gloo has no PREMUL_SUM to do it inside the reduce-scatter).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from portable_fsdp.backends.torch import distributed, model as model_lib
+from portable_fsdp.backends.torch.mesh import build_mesh
+from portable_fsdp.backends.torch.parallelize import parallelize
+from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp.loop import Placement
+from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.schedule import for_config as schedule_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a step needs besides the mutable model and optimizer."""
+
+    runtime: distributed.Runtime
+    plan: ShardingPlan
+    config: object
+    mesh: object
+    info: ModelInfo
+    schedule: object
+
+    @property
+    def dp_rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.mesh.data_parallel_size
+
+
+@dataclasses.dataclass
+class TrainState:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int
+    ctx: Context
+
+
+def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+    runtime = distributed.initialize(backend, config.train.collective_timeout_s)
+    info = model_lib.describe_model(config)
+    layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
+    mesh = build_mesh(plan.mesh, runtime.device.type)
+    rank0_only = plan.cpu_ram_efficient_loading
+    model = model_lib.create_model(config, runtime.rank, rank0_only)
+    full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
+    if config.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    parallelize(model, plan, mesh, layer_classes, runtime.device.type)
+    if rank0_only:
+        model_lib.broadcast_from_rank0(model, full_weights, torch.device("cpu") if plan.cpu_offload else runtime.device)
+    optimizer = build_optimizer(model, config.train)
+    return TrainState(model, optimizer, 0, Context(runtime, plan, config, mesh, info, schedule_for(config.train)))
+
+
+def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
+    """AdamW, created after sharding so its state is sharded too; no weight decay on vectors (norms)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
+                             foreach=False, fused=False)
+
+
+def _to_device(batch: Batch, device: torch.device):
+    return (torch.from_numpy(batch.input_ids).to(device, non_blocking=True),
+            torch.from_numpy(batch.labels).to(device, non_blocking=True))
+
+
+def token_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    input_ids, labels = _to_device(batch, device)
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _all_reduce_sum(values: list, device: torch.device) -> list:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def train_step(state: TrainState, micro_batches: list) -> tuple:
+    ctx, model = state.ctx, state.model
+    device = ctx.runtime.device
+    model.train()
+    (global_tokens,) = _all_reduce_sum([sum(b.num_label_tokens for b in micro_batches)], device)
+    scale = ctx.dp_size / max(global_tokens, 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for index, batch in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        batch_loss = token_loss_sum(model, batch, device)
+        (batch_loss * scale).backward()
+        loss_sum += batch_loss.detach().double()
+    grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)
+    lr = ctx.schedule(state.step)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    (total_loss,) = _all_reduce_sum([loss_sum.item()], device)
+    metrics = {"loss": total_loss / max(global_tokens, 1.0), "tokens": int(global_tokens),
+               "grad_norm": grad_norm, "lr": lr}
+    return dataclasses.replace(state, step=state.step + 1), metrics
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
+    """Global L2 norm over every rank's gradient shards, then in-place scaling (works on CPU-offloaded
+    DTensor gradients, where torch's clip_grad_norm_ does not)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        squares += g.detach().float().pow(2).sum().to(device)
+    dist.all_reduce(squares)
+    norm = math.sqrt(squares.item())
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in local:
+                g.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def eval_step(state: TrainState, batch: Batch) -> dict:
+    state.model.eval()
+    loss = token_loss_sum(state.model, batch, state.ctx.runtime.device).item()
+    loss_sum, tokens = _all_reduce_sum([loss, batch.num_label_tokens], state.ctx.runtime.device)
+    return {"loss_sum": loss_sum, "tokens": int(tokens)}
+
+
+def _state_bytes(state: TrainState) -> int:
+    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    total = 0
+    for p in state.model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    for per_param in state.optimizer.state.values():
+        for value in per_param.values():
+            if torch.is_tensor(value):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def memory_report(state: TrainState) -> dict:
+    """Per-rank memory in MiB (a collective: every rank must call it)."""
+    device = state.ctx.runtime.device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        current = torch.cuda.memory_allocated(device) / 2**20
+    else:
+        import psutil
+
+        current = psutil.Process().memory_info().rss / 2**20
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    mine = torch.tensor([current, peak, _state_bytes(state) / 2**20], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    rows = np.array([g.tolist() for g in gathered])
+    return {"mem_mb": rows[:, 0].round(1).tolist(), "peak_mem_mb": rows[:, 1].round(1).tolist(),
+            "state_mb": rows[:, 2].round(2).tolist()}
+
+
+def peak_flops_per_device(device: torch.device) -> float:
+    """The matmul rate this process reaches (fp32 on CPU, bf16 on GPU): the denominator of MFU."""
+    size, dtype = (1024, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def placement(state: TrainState) -> Placement:
+    return Placement(rank=state.ctx.runtime.rank, world_size=state.ctx.runtime.world_size,
+                     dp_rank=state.ctx.dp_rank, dp_size=state.ctx.dp_size)
+
+
+def barrier(state: TrainState) -> None:
+    dist.barrier()
+
+
+def peak_flops(state: TrainState) -> float:
+    configured = state.ctx.config.train.peak_flops_per_device
+    return configured or peak_flops_per_device(state.ctx.runtime.device)
+
+
+def model_info(state: TrainState) -> ModelInfo:
+    return state.ctx.info
+
+
+def finalize(state: TrainState | None = None) -> None:
+    distributed.shutdown()

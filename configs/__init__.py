@@ -1,0 +1,1 @@
+"""Recipes: `get_config(arg) -> ConfigDict`, installed as portable_fsdp.configs."""

@@ -1,0 +1,100 @@
+"""The on-disk checkpoint layout every backend shares, and how a save is made atomic.
+
+<workdir>/checkpoints/step_00000100/   one complete checkpoint (manifest.json written last)
+<workdir>/checkpoints/latest          the name of the newest complete one
+A save writes into `.tmp-step_…`, fsyncs, writes the manifest with checksums, then renames:
+a crash at any moment leaves the previous checkpoint and `latest` untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+from portable_fsdp.errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+def root(workdir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(workdir) / "checkpoints"
+
+
+def staging_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
+    return root(workdir) / f".tmp-step_{step:08d}"
+
+
+def prepare_staging(workdir: pathlib.Path, step: int) -> pathlib.Path:
+    """Rank 0 only: a fresh, empty staging directory (a leftover from a crash is discarded)."""
+    staging = staging_dir(workdir, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pathlib.Path:
+    """Rank 0 only, after every rank has finished writing into the staging directory."""
+    staging = staging_dir(workdir, step)
+    files = sorted(p for p in staging.rglob("*") if p.is_file())
+    for path in files:
+        _fsync(path)
+    manifest = {**info, "step": step,
+                "files": {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync(staging / MANIFEST)
+    final = root(workdir) / f"step_{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    _point_latest(workdir, final.name)
+    _prune(workdir, keep_last_n)
+    return final
+
+
+def _point_latest(workdir: pathlib.Path, name: str) -> None:
+    pointer = root(workdir) / "latest"
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(name + "\n")
+    _fsync(tmp)
+    os.replace(tmp, pointer)
+    _fsync(root(workdir))
+
+
+def _prune(workdir: pathlib.Path, keep_last_n: int) -> None:
+    complete = sorted(p for p in root(workdir).glob("step_*") if (p / MANIFEST).exists())
+    for old in complete[:-keep_last_n]:
+        shutil.rmtree(old)
+
+
+def latest(workdir: pathlib.Path) -> pathlib.Path | None:
+    pointer = root(workdir) / "latest"
+    if not pointer.exists():
+        return None
+    path = root(workdir) / pointer.read_text().strip()
+    if not (path / MANIFEST).exists():
+        raise UserError("train.resume", f"{pointer} names {path.name}, which has no {MANIFEST}; "
+                        "remove the pointer or resume from another workdir")
+    return path
+
+
+def read_manifest(path: pathlib.Path) -> dict:
+    return json.loads((pathlib.Path(path) / MANIFEST).read_text())

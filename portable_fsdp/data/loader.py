@@ -1,0 +1,117 @@
+"""Pack token streams into fixed-length sequences and hand out deterministic, resumable batches.
+
+Labels are shifted over the whole sequence here, once, before any backend shards a batch: each
+sequence holds `seq_len + 1` tokens, inputs are the first `seq_len`, labels the last `seq_len`.
+The batch for a step depends only on (seed, step), so resuming at step k replays exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from portable_fsdp.data.sources import read_documents
+from portable_fsdp.data.tokenizers import load_tokenizer
+from portable_fsdp.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    input_ids: np.ndarray  # [b, seq_len] int64
+    labels: np.ndarray  # [b, seq_len] int64, IGNORE_INDEX where no loss is taken
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+    train: np.ndarray  # [n_train, seq_len + 1]
+    eval: np.ndarray  # [n_eval, seq_len + 1]
+    vocab_size: int
+
+
+def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) -> TokenData:
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    if tokenizer.vocab_size > model_vocab_size:
+        raise UserError("model.vocab_size", (
+            f"{model_vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; token ids would "
+            f"index past the embedding: set model.vocab_size >= {tokenizer.vocab_size}"))
+    tokens = tokenizer.encode_documents(read_documents(data_cfg.source, data_cfg.text_column))
+    window = data_cfg.seq_len + 1
+    n_sequences = (len(tokens) - 1) // data_cfg.seq_len
+    n_eval = max(1, int(n_sequences * data_cfg.eval_fraction))
+    if n_sequences - n_eval < min_train_sequences:
+        raise UserError("data.source", (
+            f"{data_cfg.source} gives {len(tokens)} tokens = {n_sequences} sequences of data.seq_len="
+            f"{data_cfg.seq_len}, too few for {n_eval} eval sequences and one global batch of "
+            f"{min_train_sequences}; use more text or a shorter data.seq_len"))
+    # Consecutive windows overlap by one token, so every token is a label exactly once.
+    starts = np.arange(n_sequences) * data_cfg.seq_len
+    sequences = tokens[starts[:, None] + np.arange(window)[None, :]].astype(np.int64)
+    return TokenData(train=sequences[: n_sequences - n_eval], eval=sequences[n_sequences - n_eval:],
+                     vocab_size=tokenizer.vocab_size)
+
+
+def _as_batch(sequences: np.ndarray) -> Batch:
+    return Batch(input_ids=np.ascontiguousarray(sequences[:, :-1]), labels=np.ascontiguousarray(sequences[:, 1:]))
+
+
+class TrainBatches:
+    """Step `s` takes the global batch of sequences [s*B, (s+1)*B) of an endless stream of epochs,
+    each a fresh permutation seeded by (seed, epoch)."""
+
+    def __init__(self, sequences: np.ndarray, global_batch: int, grad_accum: int, seed: int):
+        self.sequences = sequences
+        self.global_batch = global_batch
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self._perm_cache: dict = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            self._perm_cache = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences))}
+        return self._perm_cache[epoch]
+
+    def global_indices(self, step: int) -> np.ndarray:
+        n = len(self.sequences)
+        flat = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
+        return np.array([self._order(k // n)[k % n] for k in flat])
+
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int) -> list:
+        """This rank's `grad_accum` micro-batches; micro-batch m of every rank together is a contiguous
+        slice of the global batch, so the global batch does not depend on dp_size or grad_accum."""
+        indices = self.global_indices(step)
+        per_micro = self.global_batch // self.grad_accum
+        per_rank = per_micro // dp_size
+        batches = []
+        for m in range(self.grad_accum):
+            start = m * per_micro + dp_rank * per_rank
+            batches.append(_as_batch(self.sequences[indices[start:start + per_rank]]))
+        return batches
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch / len(self.sequences)
+
+
+def eval_batches(sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int = 0) -> list:
+    """Every rank gets the same number of batches (collectives stay matched): the tail is padded with
+    rows whose labels are all ignored, so they count for nothing."""
+    n_batches = -(-len(sequences) // global_batch)
+    if max_batches:
+        n_batches = min(n_batches, max_batches)
+    padded = np.zeros((n_batches * global_batch, sequences.shape[1]), dtype=sequences.dtype)
+    keep = min(len(sequences), len(padded))
+    padded[:keep] = sequences[:keep]
+    batches = []
+    per_rank = global_batch // dp_size
+    for b in range(n_batches):
+        start = b * global_batch + dp_rank * per_rank
+        batch = _as_batch(padded[start:start + per_rank])
+        pad_rows = np.arange(start, start + per_rank) >= keep
+        batch.labels[pad_rows] = IGNORE_INDEX
+        batches.append(batch)
+    return batches

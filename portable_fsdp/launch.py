@@ -1,0 +1,93 @@
+"""Start the workers: under torchrun, use its environment; otherwise torch's own elastic launcher
+starts `--nproc` local processes (one process runs in place). Validation happens here, before any
+worker starts, so a bad config costs seconds and prints one line."""
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import sys
+import uuid
+
+from portable_fsdp import backends, checkpointing, worker
+from portable_fsdp.data.loader import build_token_data
+from portable_fsdp.errors import UserError
+from portable_fsdp.validate import resolve_plan
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path):
+    """Every check that can be made without starting a worker."""
+    plan = resolve_plan(config, world_size)
+    backend = backends.load(backend_name)
+    info = backend.describe_model(config)
+    plan.wrap_classes(info.no_split_modules, info.class_names)
+    build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
+    prepare_workdir(workdir, config.train.resume)
+    return plan
+
+
+def prepare_workdir(workdir: pathlib.Path, resume: bool) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError("--workdir", f"{workdir} is not writable ({err.strerror}); choose another directory") from None
+    if not resume and (checkpointing.root(workdir) / "latest").exists():
+        raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
+                                      "continue from them, or choose a new --workdir"))
+
+
+def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
+    spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
+    if under_torchrun():
+        worker.main(spec)
+        return 0
+    preflight(config, backend_name, nproc, workdir)
+    if nproc == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        worker.main(spec)
+        return 0
+    return _elastic_launch(spec, nproc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _elastic_launch(spec: dict, nproc: int) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                                 max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    try:
+        elastic_launch(launch_config, worker.main)(spec)
+    except ChildFailedError as err:
+        return _report_failure(err)
+    return 0
+
+
+def _report_failure(err) -> int:
+    """Workers print their own `error:` line for user errors (exit 2); anything else is named here."""
+    failures = err.failures
+    if all(f.exitcode == UserError.exit_code for f in failures.values()):
+        return UserError.exit_code
+    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode != UserError.exit_code), key=lambda x: x[0])
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    first = (str(message).strip().splitlines() or ["(no message)"])[-1]
+    if failure.exitcode < 0:
+        first = f"killed by signal {-failure.exitcode}"
+    print(f"error: worker rank {rank} failed (exit code {failure.exitcode}): {first}", file=sys.stderr)
+    return 1

@@ -1,0 +1,120 @@
+"""The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
+
+A backend is a module with init / train_step / eval_step / save_checkpoint / load_checkpoint /
+memory_report / placement / barrier / peak_flops / model_info / finalize; its state has a `.step`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+from portable_fsdp import checkpointing
+from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.evaluation import evaluate
+from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    dp_rank: int  # which slice of the global batch this rank reads
+    dp_size: int
+
+
+def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict:
+    state = backend.init(config, plan, backend_name)
+    try:
+        return _train(config, plan, backend, backend_name, pathlib.Path(workdir), state)
+    finally:
+        backend.finalize(state)
+
+
+def _train(config, plan, backend, backend_name, workdir, state) -> dict:
+    t = config.train
+    where = backend.placement(state)
+    is_main = where.rank == 0
+    info = backend.model_info(state)
+    data = build_token_data(config.data, info.vocab_size, min_train_sequences=t.batch_size)
+    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed)
+    evals = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches)
+    if t.resume and checkpointing.latest(workdir):
+        path = checkpointing.latest(workdir)
+        state = backend.load_checkpoint(state, path, checkpointing.read_manifest(path))
+    start = state.step
+    log = MetricsLog(workdir, is_main)
+    progress = Progress(t.steps, start, is_main and t.progress_bar)
+    model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
+    peak = backend.peak_flops(state)
+    clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
+    saved, evaluated = None, None
+    for step in range(start, t.steps):
+        began = time.perf_counter()
+        state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+        seconds = time.perf_counter() - began
+        step_times.append(seconds)
+        window.append((m["tokens"], seconds))
+        first_loss = m["loss"] if first_loss is None else first_loss
+        last = m
+        progress.update({"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}"})
+        done = state.step
+        if done % t.log_every == 0 or done == t.steps:
+            tokens_per_sec = sum(n for n, _ in window) / sum(s for _, s in window)
+            log.write({"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                       "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
+                       "epoch": batches.epoch_of(done), **backend.memory_report(state)})
+            window = []
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            evaluated = {"step": done, **evaluate(backend.eval_step, state, evals)}
+            log.write(evaluated)
+        if (t.save_every and done % t.save_every == 0) or done == t.steps:
+            saved = save(backend, state, workdir, _manifest_info(config, plan, backend_name, where), t.keep_last_n, is_main)
+    progress.close()
+    log.close()
+    result = _summary(backend_name, where, start, state.step, clock.seconds(), step_times, first_loss, last,
+                      evaluated, saved, model_flops, peak, config)
+    if is_main:
+        print(summary(result), flush=True)
+    return result
+
+
+def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool) -> pathlib.Path:
+    """Stage, write on every rank, then commit atomically on rank 0 (see portable_fsdp.checkpointing)."""
+    if is_main:
+        checkpointing.prepare_staging(workdir, state.step)
+    backend.barrier(state)
+    backend.save_checkpoint(state, checkpointing.staging_dir(workdir, state.step))
+    backend.barrier(state)
+    final = None
+    if is_main:
+        final = checkpointing.commit(workdir, state.step, info, keep_last_n)
+    backend.barrier(state)
+    return final or checkpointing.root(workdir) / f"step_{state.step:08d}"
+
+
+def _manifest_info(config, plan, backend_name: str, where: Placement) -> dict:
+    return {"backend": backend_name, "world_size": where.world_size,
+            "state_dict_type": plan.state_dict_type.value,
+            "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
+            "config": config.to_dict()}
+
+
+def _summary(backend_name, where, start, end, seconds, step_times, first_loss, last, evaluated, saved,
+             model_flops, peak, config) -> dict:
+    steady = sorted(step_times[1:] or step_times)
+    tokens_per_step = config.train.batch_size * config.data.seq_len
+    median = statistics.median(steady) if steady else float("nan")
+    result = {"backend": f"{backend_name}, {where.world_size} rank(s)",
+              "steps": f"{start} -> {end} in {seconds:.1f} s"}
+    if last:
+        result["loss"] = f"{first_loss:.4f} -> {last['loss']:.4f}"
+        result["tokens/s (median step)"] = f"{tokens_per_step / median:,.0f}"
+        result["MFU"] = f"{100 * model_flops * tokens_per_step / median / (peak * where.world_size):.2f}%"
+    if evaluated:
+        result["eval_loss"] = f"{evaluated['eval_loss']:.4f} (perplexity {evaluated['perplexity']:.2f}, {evaluated['eval_tokens']} tokens)"
+    if saved:
+        result["checkpoint"] = str(saved)
+    return result

@@ -1,0 +1,63 @@
+"""Metrics: the model-FLOPs formula, the JSONL log, the progress bar and the end-of-run summary."""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls of forward + backward, plus 12·L·d·T for the
+    attention scores and weighted sum (PaLM's formula, no causal discount)."""
+    return 6.0 * n_params + 12.0 * n_layers * hidden_size * seq_len
+
+
+class MetricsLog:
+    """One JSON object per line in <workdir>/metrics.jsonl, written by rank 0 only."""
+
+    def __init__(self, workdir: pathlib.Path, enabled: bool):
+        self.enabled = enabled
+        self._file = open(workdir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+class Progress:
+    """A tqdm bar on rank 0 (stderr); silent elsewhere or when switched off."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, postfix: dict) -> None:
+        if self._bar:
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar:
+            self._bar.close()
+
+
+class Stopwatch:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def summary(records: dict) -> str:
+    width = max(len(k) for k in records)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in records.items())

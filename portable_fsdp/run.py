@@ -1,0 +1,88 @@
+"""`python -m portable_fsdp.run [--backend B] [--config recipe.py[:arg]] [--config.a.b=v ...]`
+
+With no arguments: the tiny Llama on the bundled corpus, CPU, 2 local processes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import sys
+
+from portable_fsdp import backends
+from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.errors import UserError
+from portable_fsdp.hf_import import apply_fsdp_file
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one `error:` line and exit 2, not a usage dump
+        raise UserError("command line", message)
+
+
+def parse_args(argv):
+    parser = _Parser(prog="python -m portable_fsdp.run", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
+                        help="auto = cuda when a GPU is present, else cpu (xla and flax: not built yet)")
+    parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
+    parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
+    parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
+    parser.add_argument("--fsdp_config", default=None, help="a Hugging Face fsdp_config JSON or an Accelerate YAML")
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith("--config."):
+            raise UserError("command line", f"unrecognised argument {item!r}; fields are set as --config.a.b=value")
+        key, sep, value = item[len("--config."):].partition("=")
+        if not sep:
+            raise UserError(f"config.{key}", "needs a value: write --config.a.b=value")
+        overrides.append((key, value))
+    return args, overrides
+
+
+def resolve_backend(name: str) -> str:
+    if name in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        if name == "cuda":
+            raise UserError("--backend", "cuda was asked for but no GPU is visible; use --backend cpu")
+        return "cpu"
+    return name
+
+
+def default_nproc(backend: str) -> int:
+    if backend == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 2
+
+
+def main(argv=None) -> int:
+    try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        config = load_recipe(args.config)
+        if args.fsdp_config:
+            apply_fsdp_file(config, args.fsdp_config)
+        for key, value in overrides:
+            apply_override(config, key, value)
+        backend = resolve_backend(args.backend)
+        backends.load(backend)
+        nproc = args.nproc if args.nproc is not None else default_nproc(backend)
+        if nproc < 1:
+            raise UserError("--nproc", f"must be at least 1 (got {nproc})")
+        recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
+        workdir = pathlib.Path(args.workdir or f"runs/{recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        from portable_fsdp import launch
+
+        return launch.start(config, backend, workdir, nproc)
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Turn a loaded ConfigDict into a validated ShardingPlan and check every other field, once, at start-up."""
+from __future__ import annotations
+
+import dataclasses
+
+from portable_fsdp import plan as plan_lib
+from portable_fsdp.config import xla_fsdp_settings
+from portable_fsdp.errors import UserError
+
+
+def plan_from_config(config) -> plan_lib.ShardingPlan:
+    p = config.plan
+    plan = plan_lib.ShardingPlan(
+        mesh=plan_lib.MeshSpec(p.fsdp_size, p.cp_size, p.tp_size, p.ep_size, p.sp_size),
+        reshard_after_forward=p.reshard_after_forward,
+        cpu_offload=p.cpu_offload,
+        auto_wrap_policy=plan_lib.parse_enum(plan_lib.WrapPolicy, p.auto_wrap_policy, "plan.auto_wrap_policy"),
+        transformer_layer_cls_to_wrap=plan_lib.as_class_list(
+            p.transformer_layer_cls_to_wrap, "plan.transformer_layer_cls_to_wrap"),
+        min_num_params=p.min_num_params,
+        state_dict_type=plan_lib.parse_enum(plan_lib.StateDictType, p.state_dict_type, "plan.state_dict_type"),
+        cpu_ram_efficient_loading=p.cpu_ram_efficient_loading,
+        activation_checkpointing=p.activation_checkpointing,
+        mixed_precision=plan_lib.MixedPrecision(p.param_dtype, p.reduce_dtype),
+        xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt),
+    )
+    plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)
+    return plan
+
+
+def resolve_plan(config, world_size: int) -> plan_lib.ShardingPlan:
+    """The plan with its mesh sized for `world_size`, refusing what is not built."""
+    plan = plan_from_config(config)
+    plan = dataclasses.replace(plan, mesh=plan.mesh.resolve(world_size))
+    plan.check_buildable()
+    check_train_fields(config, plan.mesh.data_parallel_size)
+    return plan
+
+
+def _positive(value, field: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(field, f"must be {'>= 0' if allow_zero else 'positive'} (got {value})")
+
+
+def check_train_fields(config, data_parallel_size: int) -> None:
+    t, d, m = config.train, config.data, config.model
+    for name in ("steps", "batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
+                 "collective_timeout_s"):
+        _positive(t[name], f"train.{name}")
+    for name in ("eval_every", "save_every", "warmup_steps", "eval_max_batches", "max_grad_norm", "weight_decay",
+                 "peak_flops_per_device"):
+        _positive(t[name], f"train.{name}", allow_zero=True)
+    _positive(t.lr, "train.lr")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= t[name] < 1.0:
+            raise UserError(f"train.{name}", f"must be in [0, 1) (got {t[name]})")
+    per_step = data_parallel_size * t.grad_accum_steps
+    if t.batch_size % per_step:
+        raise UserError("train.batch_size", (
+            f"{t.batch_size} sequences do not split over {data_parallel_size} data-parallel ranks x "
+            f"{t.grad_accum_steps} accumulation steps; make it a multiple of {per_step}"))
+    if t.eval_batch_size % data_parallel_size:
+        raise UserError("train.eval_batch_size", (
+            f"{t.eval_batch_size} does not split over {data_parallel_size} data-parallel ranks; "
+            f"make it a multiple of {data_parallel_size}"))
+    _positive(d.seq_len, "data.seq_len")
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise UserError("data.eval_fraction", f"must be in (0, 1) (got {d.eval_fraction})")
+    if not m.init_from:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            _positive(m[name], f"model.{name}")
+        if m.hidden_size % m.num_attention_heads:
+            raise UserError("model.num_attention_heads", (
+                f"hidden_size {m.hidden_size} is not divisible by {m.num_attention_heads} heads"))
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise UserError("model.num_key_value_heads", (
+                f"{m.num_attention_heads} attention heads are not divisible by {m.num_key_value_heads} kv heads"))
+        if d.seq_len > m.max_position_embeddings:
+            raise UserError("data.seq_len", (
+                f"{d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
+                "shorten data.seq_len or raise model.max_position_embeddings"))
