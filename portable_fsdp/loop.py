@@ -70,8 +70,11 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluated = {"step": done, **evaluate(backend.eval_step, state, evals)}
             log.write(evaluated)
-        if (t.save_every and done % t.save_every == 0) or done == t.steps:
+        stopping = done == t.stop_at_step
+        if (t.save_every and done % t.save_every == 0) or done == t.steps or stopping:
             saved = save(backend, state, workdir, _manifest_info(config, plan, backend_name, where), t.keep_last_n, is_main)
+        if stopping:
+            break
     progress.close()
     log.close()
     result = _summary(backend_name, where, start, state.step, clock.seconds(), step_times, first_loss, last,

@@ -47,7 +47,7 @@ def check_train_fields(config, data_parallel_size: int) -> None:
     for name in ("steps", "batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
                  "collective_timeout_s"):
         _positive(t[name], f"train.{name}")
-    for name in ("eval_every", "save_every", "warmup_steps", "eval_max_batches", "max_grad_norm", "weight_decay",
+    for name in ("eval_every", "save_every", "warmup_steps", "eval_max_batches", "stop_at_step", "max_grad_norm", "weight_decay",
                  "peak_flops_per_device"):
         _positive(t[name], f"train.{name}", allow_zero=True)
     _positive(t.lr, "train.lr")

@@ -63,8 +63,10 @@ def create_model(config, rank: int, rank0_only: bool):
 
 
 def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
-    """After `fully_shard` of a meta-device model: allocate the shards and scatter rank 0's weights."""
-    model.to_empty(device=device)
+    """After `fully_shard` of a meta-device model: allocate the shards and scatter rank 0's weights.
+    Rank 0 keeps its real model (to_empty there would also wipe the buffers it is about to send)."""
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)
     set_model_state_dict(model, full_state_dict if dist.get_rank() == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-persistent buffers (e.g. rotary inv_freq) are in no state dict: rank 0 computed them, send them.

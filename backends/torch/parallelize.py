@@ -64,8 +64,9 @@ def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:
 def _size_based_units(model: nn.Module, min_num_params: int) -> list:
     """Post-order, as torch's size_based_auto_wrap_policy: a module becomes a unit when the parameters it
     holds outside units already chosen below it reach `min_num_params`. Never the root, never a layer
-    inside a CheckpointWrapper (the wrapper is the unit), never a module holding a tied parameter
-    (both users of a tied weight must stay in one unit: the root)."""
+    inside a CheckpointWrapper (the wrapper is the unit), never a container without a forward
+    (ModuleList: fully_shard hooks forward), never a module holding a tied parameter (both users of a
+    tied weight must stay in one unit: the root)."""
     owners: dict = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -78,6 +79,7 @@ def _size_based_units(model: nn.Module, min_num_params: int) -> list:
         own = list(module.parameters(recurse=False))
         remaining += sum(p.numel() for p in own)
         eligible = (module is not model and not wrapped_by_checkpoint and remaining >= min_num_params
+                    and type(module).forward is not nn.Module.forward
                     and not any(id(p) in tied for p in module.parameters()))
         if eligible:
             units.append(module)

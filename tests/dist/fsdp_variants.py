@@ -1,0 +1,109 @@
+"""Run under torchrun (gloo): train each named plan variant for N steps in one process group and write
+rank 0's per-step losses, the sharding it observed and a SHARDED checkpoint round-trip to JSON.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/fsdp_variants.py OUT.json STEPS V...
+"""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from portable_fsdp import backends, config as config_lib, loop
+from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.evaluation import evaluate
+from portable_fsdp.validate import resolve_plan
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.py") + ":test"
+
+VARIANTS = {
+    "reshard_on": {},
+    "reshard_off": {"plan.reshard_after_forward": "false"},
+    "cpu_offload": {"plan.cpu_offload": "true"},
+    "activation_checkpointing": {"plan.activation_checkpointing": "true"},
+    "bf16": {"plan.param_dtype": "bfloat16"},
+    "size_based_wrap": {"plan.auto_wrap_policy": "SIZE_BASED_WRAP", "plan.min_num_params": "20000"},
+    "no_wrap": {"plan.auto_wrap_policy": "NO_WRAP"},
+    "batch8": {"train.batch_size": "8"},
+    "batch8_accum4": {"train.batch_size": "8", "train.grad_accum_steps": "4"},
+    "rank0_loading": {"plan.cpu_ram_efficient_loading": "true"},
+    "tied": {"model.tie_word_embeddings": "true"},
+    "tied_rank0_loading": {"model.tie_word_embeddings": "true", "plan.cpu_ram_efficient_loading": "true"},
+}
+
+
+def make_config(overrides: dict):
+    config = config_lib.load_recipe(RECIPE)
+    for key, value in overrides.items():
+        config_lib.apply_override(config, key, value)
+    return config
+
+
+def local_fraction(model) -> float:
+    """Elements this rank holds / elements of the model (1/N when truly sharded)."""
+    mine = total = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mine += p.to_local().numel()
+        else:
+            mine += p.numel()
+        total += p.numel()
+    return mine / total
+
+
+def run_variant(name: str, steps: int, backend) -> dict:
+    config = make_config(VARIANTS[name])
+    plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
+    state = backend.init(config, plan, "cpu")
+    where = backend.placement(state)
+    data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
+    batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed)
+    losses = []
+    for step in range(steps):
+        state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+        losses.append(metrics["loss"])
+    result = {"losses": losses, "local_fraction": local_fraction(state.model),
+              "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
+              "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
+    if name == "reshard_on":
+        result.update(sharded_round_trip(config, plan, backend, state, data, where))
+    return result
+
+
+def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
+    """Save SHARDED, load into a freshly initialised FSDP2 model: eval_loss must not change."""
+    import dataclasses
+
+    from portable_fsdp.plan import StateDictType
+
+    evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)
+    before = evaluate(backend.eval_step, state, evals)["eval_loss"]
+    sharded_plan = dataclasses.replace(plan, state_dict_type=StateDictType.SHARDED_STATE_DICT)
+    state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=sharded_plan))
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    backend.save_checkpoint(state, directory[0])
+    dist.barrier()
+    fresh = backend.init(config, sharded_plan, "cpu")
+    fresh_loss = evaluate(backend.eval_step, fresh, evals)["eval_loss"]
+    fresh = backend.load_checkpoint(fresh, directory[0], {"step": state.step, "world_size": dist.get_world_size()})
+    after = evaluate(backend.eval_step, fresh, evals)["eval_loss"]
+    return {"sharded_eval_before": before, "sharded_eval_after": after, "fresh_eval": fresh_loss,
+            "sharded_files": sorted(os.listdir(os.path.join(directory[0], "sharded")))}
+
+
+def main() -> None:
+    out, steps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    backend = backends.load("cpu")
+    results = {name: run_variant(name, steps, backend) for name in names}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    backend.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""A single-process, unsharded training loop written with plain torch: the yardstick every
+sharded run is compared to. It shares only the model constructor and the data with the code under
+test; the loss, the backward, the clipping and the optimizer step are torch's own."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from portable_fsdp.backends.torch.model import create_model
+from portable_fsdp.data.loader import IGNORE_INDEX, TrainBatches, build_token_data
+from portable_fsdp.schedule import for_config
+
+
+def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> list:
+    model = create_model(config, rank=0, rank0_only=False).to(dtype)
+    t = config.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    data = build_token_data(config.data, config.model.vocab_size, t.batch_size)
+    batches = TrainBatches(data.train, t.batch_size, 1, config.seed)
+    schedule = for_config(t)
+    losses = []
+    for step in range(steps):
+        (batch,) = batches.micro_batches(step, 0, 1)
+        input_ids = torch.from_numpy(batch.input_ids)
+        labels = torch.from_numpy(batch.labels)
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        if t.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = schedule(step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def max_relative_difference(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))
