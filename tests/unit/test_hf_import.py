@@ -1,0 +1,336 @@
+"""Hugging Face fsdp_config JSON and Accelerate YAML onto config.plan (portable_fsdp/hf_import.py)."""
+import json
+import textwrap
+import warnings
+
+import pytest
+
+from portable_fsdp import validate
+from portable_fsdp.config import base_config
+from portable_fsdp.errors import UserError
+from portable_fsdp.hf_import import apply_fsdp_file
+from portable_fsdp.plan import MixedPrecision, StateDictType, WrapPolicy
+from tests.unit._helpers import user_error
+
+HF_EXAMPLE = {"version": 2, "reshard_after_forward": True, "cpu_offload": False,
+              "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+              "state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": True,
+              "activation_checkpointing": True}
+
+
+@pytest.fixture
+def config():
+    config = base_config()
+    config.lock()
+    return config
+
+
+def write_json(tmp_path, data, name="fsdp.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def write_yaml(tmp_path, text, name="accelerate.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def apply_quietly(config, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a key we map must not also warn
+        apply_fsdp_file(config, path)
+
+
+# ---------------------------------------------------------------- fsdp.json
+
+def test_hf_example_maps_onto_plan(config, tmp_path):
+    config.plan.reshard_after_forward = False
+    apply_quietly(config, write_json(tmp_path, HF_EXAMPLE))
+    p = config.plan
+    assert p.reshard_after_forward is True
+    assert p.cpu_offload is False
+    assert p.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    assert p.state_dict_type == "FULL_STATE_DICT"
+    assert p.cpu_ram_efficient_loading is True
+    assert p.activation_checkpointing is True
+    plan = validate.resolve_plan(config, 2)
+    assert plan.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    assert plan.activation_checkpointing and plan.cpu_ram_efficient_loading
+
+
+def test_hf_example_leaves_other_fields_alone(config, tmp_path):
+    before = config.to_dict()
+    apply_fsdp_file(config, write_json(tmp_path, HF_EXAMPLE))
+    after = config.to_dict()
+    changed = {k for k in before["plan"] if before["plan"][k] != after["plan"][k]}
+    assert changed == {"transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading", "activation_checkpointing"}
+    assert {k: v for k, v in before.items() if k != "plan"} == {k: v for k, v in after.items() if k != "plan"}
+
+
+def test_fsdp_prefixed_keys(config, tmp_path):
+    data = {"fsdp_version": 2, "fsdp_offload_params": True, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+            "fsdp_min_num_params": 100000, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_reshard_after_forward": False, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
+    apply_quietly(config, write_json(tmp_path, data))
+    p = config.plan
+    assert p.cpu_offload is True
+    assert p.auto_wrap_policy == "SIZE_BASED_WRAP" and p.min_num_params == 100000
+    assert p.state_dict_type == "SHARDED_STATE_DICT"
+    assert p.reshard_after_forward is False
+    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    plan = validate.resolve_plan(config, 1)
+    assert plan.auto_wrap_policy is WrapPolicy.SIZE_BASED_WRAP
+    assert plan.state_dict_type is StateDictType.SHARDED_STATE_DICT
+
+
+def test_class_list_joined(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer", "LlamaMLP"]}))
+    assert config.plan.transformer_layer_cls_to_wrap == "LlamaDecoderLayer,LlamaMLP"
+
+
+def test_xla_keys_kept(config, tmp_path):
+    settings = {"compute_dtype": "bfloat16", "shard_param_on_dim_0": True}
+    apply_quietly(config, write_json(tmp_path, {"xla": True, "xla_fsdp_settings": settings,
+                                                "xla_fsdp_grad_ckpt": True}))
+    assert config.plan.xla is True
+    assert config.plan.xla_fsdp_grad_ckpt is True
+    assert json.loads(config.plan.xla_fsdp_settings) == settings
+    plan = validate.plan_from_config(config)
+    assert plan.xla.xla and plan.xla.xla_fsdp_grad_ckpt
+    assert plan.xla.xla_fsdp_settings == settings
+
+
+def test_xla_fsdp_settings_must_be_an_object(config, tmp_path):
+    path = write_json(tmp_path, {"xla_fsdp_settings": "bfloat16"})
+    with user_error(f"{path}: xla_fsdp_settings", "must be a JSON object"):
+        apply_fsdp_file(config, path)
+
+
+def test_string_booleans_accepted(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, {"cpu_offload": "True", "reshard_after_forward": "false"}))
+    assert config.plan.cpu_offload is True
+    assert config.plan.reshard_after_forward is False
+
+
+@pytest.mark.parametrize("strategy, reshard", [("FULL_SHARD", True), ("SHARD_GRAD_OP", False),
+                                               ("shard_grad_op", False)])
+def test_fsdp1_sharding_strategy(config, tmp_path, strategy, reshard):
+    config.plan.reshard_after_forward = not reshard
+    apply_quietly(config, write_json(tmp_path, {"version": 1, "fsdp_sharding_strategy": strategy}))
+    assert config.plan.reshard_after_forward is reshard
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"])
+def test_fsdp1_sharding_strategy_without_equivalent(config, tmp_path, strategy):
+    path = write_json(tmp_path, {"sharding_strategy": strategy})
+    with user_error(f"{path}: sharding_strategy", "has no FSDP2 equivalent"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("key", ["backward_prefetch", "fsdp_forward_prefetch", "use_orig_params",
+                                 "fsdp_sync_module_states", "limit_all_gathers"])
+def test_no_op_fsdp1_keys_warn(config, tmp_path, key):
+    before = config.to_dict()
+    path = write_json(tmp_path, {key: True})
+    bare = key[len("fsdp_"):] if key.startswith("fsdp_") else key
+    with pytest.warns(UserWarning, match=f"{bare} has no effect with FSDP2"):
+        apply_fsdp_file(config, path)
+    assert config.to_dict() == before
+
+
+def test_unknown_key(config, tmp_path):
+    path = write_json(tmp_path, {"fsdp_offload_everything": True})
+    with user_error(f"{path}: offload_everything", "is not an FSDP setting") as info:
+        apply_fsdp_file(config, path)
+    assert "transformer_layer_cls_to_wrap" in info.value.message
+
+
+@pytest.mark.parametrize("key, value, phrase", [
+    ("cpu_offload", "yes", "must be a bool (got 'yes')"),
+    ("min_num_params", 1.5, "must be a int (got 1.5)"),
+    ("reshard_after_forward", 1, "must be a bool (got 1)"),
+    ("auto_wrap_policy", 2, "must be a str (got 2)"),
+    ("transformer_layer_cls_to_wrap", ["LlamaDecoderLayer", 3], "must be a list of class names"),
+])
+def test_wrong_type(config, tmp_path, key, value, phrase):
+    path = write_json(tmp_path, {key: value})
+    with user_error(f"{path}: {key}", phrase):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("version", [3, 0, "two"])
+def test_bad_version(config, tmp_path, version):
+    path = write_json(tmp_path, {"version": version})
+    with user_error(f"{path}: version", f"must be 1 or 2 (got {version!r})"):
+        apply_fsdp_file(config, path)
+
+
+def test_malformed_json(config, tmp_path):
+    path = write_json(tmp_path, '{"version": 2,\n "cpu_offload": }')
+    with user_error("--fsdp_config", "is not valid JSON (line 2"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"FULL_SHARD"', "null"])
+def test_non_object_json(config, tmp_path, text):
+    path = write_json(tmp_path, text)
+    with user_error("--fsdp_config", "must hold a JSON object"):
+        apply_fsdp_file(config, path)
+
+
+def test_missing_file(config, tmp_path):
+    path = str(tmp_path / "nope.json")
+    with user_error("--fsdp_config", f"no such file {path}"):
+        apply_fsdp_file(config, path)
+
+
+def test_directory_is_not_a_file(config, tmp_path):
+    with user_error("--fsdp_config", "no such file"):
+        apply_fsdp_file(config, str(tmp_path))
+
+
+# ---------------------------------------------------------------- Accelerate YAML
+
+ACCELERATE_YAML = """\
+    compute_environment: LOCAL_MACHINE
+    debug: false
+    distributed_type: FSDP
+    downcast_bf16: 'no'
+    fsdp_config:
+      fsdp_version: 2
+      fsdp_offload_params: true
+      fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+      fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+      fsdp_reshard_after_forward: false
+      fsdp_state_dict_type: SHARDED_STATE_DICT
+      fsdp_activation_checkpointing: true
+      fsdp_cpu_ram_efficient_loading: 'true'
+    machine_rank: 0
+    main_training_function: main
+    mixed_precision: bf16
+    num_machines: 1
+    num_processes: 4
+    parallelism_config:
+      parallelism_config_cp_size: 2
+    use_cpu: false
+"""
+
+
+def test_accelerate_yaml(config, tmp_path):
+    apply_quietly(config, write_yaml(tmp_path, ACCELERATE_YAML))
+    p = config.plan
+    assert p.cpu_offload is True
+    assert p.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    assert p.reshard_after_forward is False
+    assert p.state_dict_type == "SHARDED_STATE_DICT"
+    assert p.activation_checkpointing is True
+    assert p.cpu_ram_efficient_loading is True
+    assert p.param_dtype == "bfloat16"
+    assert p.cp_size == 2
+    plan = validate.plan_from_config(config)
+    assert plan.mesh.cp_size == 2
+    assert plan.mixed_precision.param_dtype == "bfloat16"
+    with user_error("plan.cp_size", "not built yet"):  # refused later, not dropped
+        validate.resolve_plan(config, 4)
+
+
+def test_accelerate_yml_suffix_and_class_list_string(config, tmp_path):
+    path = write_yaml(tmp_path, """\
+        fsdp_config:
+          fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer, LlamaMLP
+        mixed_precision: fp16
+    """, name="acc.yml")
+    apply_quietly(config, path)
+    assert validate.plan_from_config(config).transformer_layer_cls_to_wrap == ("LlamaDecoderLayer", "LlamaMLP")
+    assert config.plan.param_dtype == "float16"
+
+
+@pytest.mark.parametrize("line", ["mixed_precision: 'no'", ""])
+def test_accelerate_yaml_no_mixed_precision(config, tmp_path, line):
+    path = write_yaml(tmp_path, f"fsdp_config:\n  fsdp_offload_params: false\n{line}\n")
+    apply_quietly(config, path)
+    assert validate.plan_from_config(config).mixed_precision == MixedPrecision("float32", "float32")
+
+
+def test_accelerate_yaml_unquoted_no_mixed_precision(config, tmp_path):
+    # YAML 1.1 reads an unquoted `no` as False; a user who wrote `mixed_precision: no` means 'no'.
+    path = write_yaml(tmp_path, "fsdp_config:\n  fsdp_offload_params: false\nmixed_precision: no\n")
+    apply_fsdp_file(config, path)
+    assert config.plan.param_dtype == "float32"
+
+
+def test_accelerate_yaml_unknown_mixed_precision(config, tmp_path):
+    path = write_yaml(tmp_path, "fsdp_config:\n  fsdp_offload_params: false\nmixed_precision: fp8\n")
+    with user_error(f"{path}: mixed_precision", "unknown value 'fp8'; choose one of no, fp16, bf16"):
+        apply_fsdp_file(config, path)
+
+
+def test_accelerate_yaml_bad_cp_size_type(config, tmp_path):
+    path = write_yaml(tmp_path, """\
+        fsdp_config:
+          fsdp_version: 2
+        parallelism_config:
+          parallelism_config_cp_size: two
+    """)
+    with user_error(f"{path}: parallelism_config_cp_size", "must be a int (got 'two')"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("key", ["parallelism_config_tp_size", "parallelism_config_dp_replicate_size"])
+def test_accelerate_yaml_other_parallelism_sizes_not_dropped(config, tmp_path, key):
+    # The plan "refuses, instead of ignoring": a tp or replicate (HSDP) degree of 2 must either reach
+    # the plan or be refused naming the key, never be silently dropped.
+    path = write_yaml(tmp_path, f"fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  {key}: 2\n")
+    try:
+        apply_fsdp_file(config, path)
+    except UserError as err:
+        assert err.field == f"{path}: {key}", err.line()
+        return
+    if config.plan.tp_size != 2:
+        pytest.fail(f"{key}: 2 was silently ignored (config.plan is unchanged)")
+
+
+def test_accelerate_yaml_fsdp1_keys(config, tmp_path):
+    path = write_yaml(tmp_path, """\
+        fsdp_config:
+          fsdp_sharding_strategy: SHARD_GRAD_OP
+          fsdp_backward_prefetch: BACKWARD_PRE
+          fsdp_use_orig_params: true
+        mixed_precision: 'no'
+    """)
+    with pytest.warns(UserWarning) as record:
+        apply_fsdp_file(config, path)
+    assert config.plan.reshard_after_forward is False
+    assert sorted(str(w.message).split(": ")[1].split()[0] for w in record) == ["backward_prefetch", "use_orig_params"]
+
+
+@pytest.mark.parametrize("text", ["distributed_type: FSDP\nmixed_precision: bf16\n",
+                                  "distributed_type: FSDP\nfsdp_config: {}\n",
+                                  "fsdp_config: FULL_SHARD\n"])
+def test_yaml_without_fsdp_config(config, tmp_path, text):
+    path = write_yaml(tmp_path, text)
+    with user_error("--fsdp_config", "has no fsdp_config section"):
+        apply_fsdp_file(config, path)
+
+
+def test_malformed_yaml(config, tmp_path):
+    path = write_yaml(tmp_path, "fsdp_config:\n  fsdp_version: [2\n  other: : :\n")
+    with user_error("--fsdp_config", "is not valid YAML"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("text", ["- fsdp_config\n", "just a string\n", ""])
+def test_yaml_not_a_mapping(config, tmp_path, text):
+    path = write_yaml(tmp_path, text)
+    with user_error("--fsdp_config", "must hold a YAML mapping"):
+        apply_fsdp_file(config, path)
+
+
+def test_yaml_unknown_fsdp_key(config, tmp_path):
+    path = write_yaml(tmp_path, "fsdp_config:\n  fsdp_wrap_everything: true\n")
+    with user_error(f"{path}: wrap_everything", "is not an FSDP setting"):
+        apply_fsdp_file(config, path)
