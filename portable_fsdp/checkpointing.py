@@ -27,10 +27,10 @@ def staging_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
 
 
 def prepare_staging(workdir: pathlib.Path, step: int) -> pathlib.Path:
-    """Rank 0 only: a fresh, empty staging directory (a leftover from a crash is discarded)."""
+    """Rank 0 only: a fresh, empty staging directory (leftovers of crashed saves are discarded)."""
     staging = staging_dir(workdir, step)
-    if staging.exists():
-        shutil.rmtree(staging)
+    for leftover in root(workdir).glob(".tmp-step_*"):
+        shutil.rmtree(leftover)
     staging.mkdir(parents=True)
     return staging
 
@@ -80,9 +80,26 @@ def _point_latest(workdir: pathlib.Path, name: str) -> None:
 
 
 def _prune(workdir: pathlib.Path, keep_last_n: int) -> None:
+    """Remove all but the newest `keep_last_n` complete checkpoints — never the one marked best."""
     complete = sorted(p for p in root(workdir).glob("step_*") if (p / MANIFEST).exists())
+    keep = best(workdir)
     for old in complete[:-keep_last_n]:
-        shutil.rmtree(old)
+        if old != keep:
+            shutil.rmtree(old)
+
+
+def mark_best(workdir: pathlib.Path, checkpoint: pathlib.Path) -> None:
+    """Rank 0 only: remember the checkpoint with the best eval_loss (pruning spares it)."""
+    pointer = root(workdir) / "best"
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(pathlib.Path(checkpoint).name + "\n")
+    _fsync(tmp)
+    os.replace(tmp, pointer)
+
+
+def best(workdir: pathlib.Path) -> pathlib.Path | None:
+    pointer = root(workdir) / "best"
+    return root(workdir) / pointer.read_text().strip() if pointer.exists() else None
 
 
 def latest(workdir: pathlib.Path) -> pathlib.Path | None:

@@ -10,6 +10,7 @@ import difflib
 import importlib
 import importlib.util
 import json
+import math
 import pathlib
 
 import ml_collections
@@ -52,6 +53,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batch_size = 8  # global sequences per eval step
     c.train.eval_every = 100
     c.train.eval_max_batches = 0  # 0 = the whole eval split
+    c.train.compute_metrics = ""  # "", "token_accuracy" or "package.module:function(predictions, labels) -> dict"
+    c.train.early_stopping_patience = 0  # stop after this many evals without a better eval_loss; 0 = never
+    c.train.load_best_model_at_end = False  # end with the weights of the best eval_loss (kept on disk as `best`)
     c.train.log_every = 10
     c.train.save_every = 0  # 0 = only at the end
     c.train.keep_last_n = 2
@@ -76,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.plan.tp_size = 1
     c.plan.ep_size = 1
     c.plan.sp_size = 1
+    c.plan.cp_rotate_method = "allgather"  # allgather | alltoall
+    c.plan.cp_impl = "auto"  # auto | torch | portable
+    c.plan.cp_load_balance = True  # head-tail split; false = contiguous
     c.plan.reshard_after_forward = True
     c.plan.cpu_offload = False
     c.plan.auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
@@ -99,7 +106,10 @@ def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
     module = _import_recipe(path)
     if not hasattr(module, "get_config"):
         raise UserError("--config", f"{path} defines no get_config(arg) function")
-    config = module.get_config(arg) if arg else module.get_config()
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except (ValueError, TypeError, KeyError) as err:
+        raise UserError("--config", f"{path}: get_config({arg!r}) failed: {err}") from None
     _check_same_schema(config, base_config(), "")
     config.lock()
     return config
@@ -133,8 +143,11 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
     *parents, leaf = dotted.split(".")
     node = config
     for depth, name in enumerate(parents):
-        if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
-            _unknown(config, ".".join(parents[: depth + 1]))
+        if name in node and not isinstance(node[name], ml_collections.ConfigDict):
+            section = ".".join(parents[: depth + 1])
+            raise UserError(f"config.{dotted}", f"config.{section} is a value, not a section; set --config.{section}=...")
+        if name not in node:
+            _unknown(config, dotted)
         node = node[name]
     if leaf not in node:
         _unknown(config, dotted)
@@ -174,7 +187,10 @@ def parse_value(raw: str, current, field: str):
         if kind is int:
             return int(raw)
         if kind is float:
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):
+                raise UserError(field, f"expects a finite number, got {raw!r}")
+            return value
         if kind is str:
             return raw
         if kind in (list, tuple):
@@ -183,7 +199,8 @@ def parse_value(raw: str, current, field: str):
                 raise ValueError
             return kind(value)
     except (ValueError, SyntaxError):
-        raise UserError(field, f"expects a {kind.__name__}, got {raw!r}") from None
+        article = "an" if kind.__name__[0] in "aeiou" else "a"
+        raise UserError(field, f"expects {article} {kind.__name__}, got {raw!r}") from None
     raise UserError(field, f"cannot be set from the command line (type {kind.__name__})")
 
 

@@ -67,12 +67,32 @@ def apply_accelerate_yaml(config, data: dict, path: str) -> None:
         raise UserError("--fsdp_config", f"{path} has no fsdp_config section; is it an Accelerate FSDP config?")
     apply_fsdp_dict(config, fsdp, path)
     precision = data.get("mixed_precision", "no")
+    precision = "no" if precision is False else precision  # YAML reads an unquoted `no` as false
     if precision not in MIXED_PRECISION:
         raise UserError(f"{path}: mixed_precision", f"unknown value {precision!r}; choose one of no, fp16, bf16")
     set_field(config, "plan.param_dtype", MIXED_PRECISION[precision], f"{path}: mixed_precision")
-    cp_size = (data.get("parallelism_config") or {}).get("parallelism_config_cp_size")
-    if cp_size is not None:
-        set_field(config, "plan.cp_size", cp_size, f"{path}: parallelism_config_cp_size")
+    _apply_parallelism_config(config, data.get("parallelism_config") or {}, path)
+
+
+# Accelerate's ParallelismConfig sizes -> mesh fields (sizes no backend builds yet are refused later, by name).
+PARALLELISM_KEYS = {"cp_size": "cp_size", "tp_size": "tp_size", "sp_size": "sp_size", "dp_shard_size": "fsdp_size",
+                    "cp_comm_strategy": "cp_rotate_method"}
+
+
+def _apply_parallelism_config(config, section: dict, path: str) -> None:
+    for key, value in section.items():
+        name = key[len("parallelism_config_"):] if key.startswith("parallelism_config_") else key
+        source = f"{path}: {key}"
+        if name == "dp_replicate_size":
+            if value not in (1, None):
+                raise UserError(source, f"= {value}: hybrid sharding (replicated FSDP groups) is not supported; set it to 1")
+            continue
+        if name == "cp_backend":
+            warnings.warn(f"{source} is ignored: plan.cp_impl chooses the context-parallel kernels", stacklevel=2)
+            continue
+        if name not in PARALLELISM_KEYS:
+            raise UserError(source, f"is not a parallelism setting; known: {', '.join(sorted(PARALLELISM_KEYS))}")
+        set_field(config, f"plan.{PARALLELISM_KEYS[name]}", value, source)
 
 
 def apply_fsdp_dict(config, data: dict, path: str) -> None:

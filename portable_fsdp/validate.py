@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from portable_fsdp import plan as plan_lib
 from portable_fsdp.config import xla_fsdp_settings
 from portable_fsdp.errors import UserError
+from portable_fsdp.evaluation import resolve_metrics
+from portable_fsdp.sequence_split import check_divisible
 
 
 def plan_from_config(config) -> plan_lib.ShardingPlan:
@@ -22,6 +25,9 @@ def plan_from_config(config) -> plan_lib.ShardingPlan:
         cpu_ram_efficient_loading=p.cpu_ram_efficient_loading,
         activation_checkpointing=p.activation_checkpointing,
         mixed_precision=plan_lib.MixedPrecision(p.param_dtype, p.reduce_dtype),
+        cp_rotate_method=p.cp_rotate_method,
+        cp_impl=p.cp_impl,
+        cp_load_balance=p.cp_load_balance,
         xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt),
     )
     plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)
@@ -34,10 +40,13 @@ def resolve_plan(config, world_size: int) -> plan_lib.ShardingPlan:
     plan = dataclasses.replace(plan, mesh=plan.mesh.resolve(world_size))
     plan.check_buildable()
     check_train_fields(config, plan.mesh.data_parallel_size)
+    check_divisible(config.data.seq_len, plan.mesh.cp_size)
     return plan
 
 
 def _positive(value, field: str, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise UserError(field, f"must be a finite number (got {value})")
     if value < 0 or (value == 0 and not allow_zero):
         raise UserError(field, f"must be {'>= 0' if allow_zero else 'positive'} (got {value})")
 
@@ -51,6 +60,11 @@ def check_train_fields(config, data_parallel_size: int) -> None:
                  "peak_flops_per_device"):
         _positive(t[name], f"train.{name}", allow_zero=True)
     _positive(t.lr, "train.lr")
+    _positive(t.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
+    for name in ("early_stopping_patience", "load_best_model_at_end"):
+        if t[name] and not t.eval_every:
+            raise UserError(f"train.{name}", "needs evaluations during training: set train.eval_every > 0")
+    resolve_metrics(t.compute_metrics)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
     for name in ("beta1", "beta2"):

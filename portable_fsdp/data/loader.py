@@ -20,11 +20,11 @@ IGNORE_INDEX = -100
 @dataclasses.dataclass(frozen=True)
 class Batch:
     input_ids: np.ndarray  # [b, seq_len] int64
-    labels: np.ndarray  # [b, seq_len] int64, IGNORE_INDEX where no loss is taken
+    labels: np.ndarray | None  # [b, seq_len] int64, IGNORE_INDEX where no loss is taken; None to predict only
 
     @property
     def num_label_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
+        return 0 if self.labels is None else int((self.labels != IGNORE_INDEX).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,8 @@ def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) 
 
 
 def _as_batch(sequences: np.ndarray) -> Batch:
-    return Batch(input_ids=np.ascontiguousarray(sequences[:, :-1]), labels=np.ascontiguousarray(sequences[:, 1:]))
+    # Copies, not views: inputs and labels of one row overlap in memory, and eval padding writes labels.
+    return Batch(input_ids=sequences[:, :-1].copy(), labels=sequences[:, 1:].copy())
 
 
 class TrainBatches:

@@ -38,7 +38,10 @@ class LocalHFTokenizer:
         self.vocab_size = len(self._tok)
 
     def encode_documents(self, documents) -> np.ndarray:
-        ids = self._tok(list(documents), add_special_tokens=False)["input_ids"]
+        documents = list(documents)
+        if not documents:
+            return np.zeros(0, dtype=np.int32)
+        ids = self._tok(documents, add_special_tokens=False)["input_ids"]
         return np.concatenate([np.array(doc + [self.eos_token_id], dtype=np.int32) for doc in ids])
 
 

@@ -152,7 +152,7 @@ def test_override_int(config):
 
 @pytest.mark.parametrize("raw", ["abc", "1.5", "", "1e3", "true"])
 def test_override_int_wrong_type(config, raw):
-    with user_error("config.train.steps", f"expects a int, got {raw!r}"):
+    with user_error("config.train.steps", f"expects an int, got {raw!r}"):
         apply_override(config, "train.steps", raw)
     assert config.train.steps == 20
 
@@ -196,19 +196,19 @@ def test_override_unknown_field_suggests(config, dotted, suggestion):
 
 
 def test_override_unknown_field_without_close_match(config):
-    with user_error("config.zzzz", "unknown field; see portable_fsdp/config.py"):
+    with user_error("config.zzzz.qqqq", "unknown field; see portable_fsdp/config.py"):
         apply_override(config, "zzzz.qqqq", "1")
 
 
 def test_override_misspelled_section_suggests_the_field(config):
     # `--config.trian.steps=3`: the closest field is train.steps, not some other field of train.
-    with user_error("config.trian", "did you mean config.train.steps?"):
+    with user_error("config.trian.steps", "did you mean config.train.steps?"):
         apply_override(config, "trian.steps", "3")
 
 
 def test_override_below_a_leaf_names_the_whole_path(config):
     # `seed` is an int, so `seed.x` does not exist; the error must not call config.seed itself unknown.
-    with user_error("config.seed.x", "unknown field"):
+    with user_error("config.seed.x", "config.seed is a value, not a section"):
         apply_override(config, "seed.x", "1")
 
 
@@ -241,8 +241,10 @@ def test_parse_value(raw, current, expected):
     assert value == expected and type(value) is type(expected)
 
 
-def test_parse_value_nan_is_a_float():
-    assert math.isnan(parse_value("nan", 1.0, "f"))
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf"])
+def test_parse_value_refuses_non_finite_floats(raw):
+    with user_error("f", "expects a finite number"):
+        parse_value(raw, 1.0, "f")
 
 
 @pytest.mark.parametrize("raw, current, kind", [
@@ -254,7 +256,8 @@ def test_parse_value_nan_is_a_float():
     ("1,5", 0.0, "float"),
 ])
 def test_parse_value_refuses(raw, current, kind):
-    with user_error("config.x", f"expects a {kind}, got {raw!r}"):
+    article = "an" if kind[0] in "aeiou" else "a"
+    with user_error("config.x", f"expects {article} {kind}, got {raw!r}"):
         parse_value(raw, current, "config.x")
 
 

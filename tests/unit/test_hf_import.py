@@ -234,8 +234,7 @@ def test_accelerate_yaml(config, tmp_path):
     plan = validate.plan_from_config(config)
     assert plan.mesh.cp_size == 2
     assert plan.mixed_precision.param_dtype == "bfloat16"
-    with user_error("plan.cp_size", "not built yet"):  # refused later, not dropped
-        validate.resolve_plan(config, 4)
+    assert validate.resolve_plan(config, 4).mesh.fsdp_size == 2  # cp_size reaches the mesh
 
 
 def test_accelerate_yml_suffix_and_class_list_string(config, tmp_path):

@@ -130,7 +130,7 @@ def test_mixed_precision_enabled(dtypes, enabled):
 
 # ---------------------------------------------------------------- check_buildable
 
-@pytest.mark.parametrize("field", ["cp_size", "tp_size", "ep_size", "sp_size"])
+@pytest.mark.parametrize("field", ["tp_size", "ep_size", "sp_size"])
 def test_check_buildable_refuses_unbuilt_axes(field):
     plan = ShardingPlan(mesh=MeshSpec(fsdp_size=1, **{field: 2}))
     with user_error(f"plan.{field}", "not built yet") as info:
@@ -266,9 +266,15 @@ def test_resolve_plan_runs_plan_validate(config):
 
 
 def test_resolve_plan_refuses_unbuilt_axis(config):
-    config.plan.cp_size = 2
-    with user_error("plan.cp_size", "not built yet"):
+    config.plan.tp_size = 2
+    with user_error("plan.tp_size", "not built yet"):
         validate.resolve_plan(config, 2)
+
+
+def test_resolve_plan_accepts_context_parallelism(config):
+    config.plan.cp_size = 2
+    plan = validate.resolve_plan(config, 4)
+    assert (plan.mesh.fsdp_size, plan.mesh.cp_size, plan.mesh.data_parallel_size) == (2, 2, 2)
 
 
 def test_resolve_plan_mesh_mismatch(config):

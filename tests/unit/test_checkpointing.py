@@ -1,0 +1,145 @@
+"""The shared checkpoint layout and atomic commit (portable_fsdp/checkpointing.py)."""
+import hashlib
+import json
+import os
+
+import pytest
+
+from portable_fsdp import checkpointing as ckpt
+from tests.unit._helpers import user_error
+
+
+def save(workdir, step, files=None, keep_last_n=3, info=None):
+    """Stage `files` ({relative path: bytes}) for `step` and commit it, as rank 0 does."""
+    staging = ckpt.prepare_staging(workdir, step)
+    for rel, data in (files if files is not None else {"model.safetensors": f"weights {step}".encode()}).items():
+        path = staging / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return ckpt.commit(workdir, step, info or {"backend": "cpu"}, keep_last_n)
+
+
+def step_dirs(workdir):
+    return sorted(p.name for p in ckpt.root(workdir).iterdir() if p.is_dir())
+
+
+def test_prepare_staging_gives_an_empty_hidden_dir(tmp_path):
+    staging = ckpt.prepare_staging(tmp_path, 7)
+    assert staging == tmp_path / "checkpoints" / ".tmp-step_00000007"
+    assert staging.is_dir() and not any(staging.iterdir())
+    assert staging == ckpt.staging_dir(tmp_path, 7)
+
+
+def test_leftover_staging_dir_is_discarded(tmp_path):
+    staging = ckpt.prepare_staging(tmp_path, 5)
+    (staging / "half_written.bin").write_bytes(b"crash")
+    (staging / "sub").mkdir()
+    (staging / "sub" / "x").write_bytes(b"y")
+    again = ckpt.prepare_staging(tmp_path, 5)
+    assert again == staging and not any(again.iterdir())
+
+
+def test_commit_writes_step_dir_and_manifest(tmp_path):
+    files = {"model.safetensors": b"\x00" * 1000, "optim/rank_0.pt": b"abc", "optim/rank_1.pt": b""}
+    final = save(tmp_path, 12, files, info={"backend": "cpu", "world_size": 2})
+    assert final == tmp_path / "checkpoints" / "step_00000012"
+    assert not ckpt.staging_dir(tmp_path, 12).exists()
+    manifest = ckpt.read_manifest(final)
+    assert manifest == json.loads((final / "manifest.json").read_text())
+    assert manifest["step"] == 12 and manifest["backend"] == "cpu" and manifest["world_size"] == 2
+    assert set(manifest["files"]) == set(files)
+    for rel, data in files.items():
+        entry = manifest["files"][rel]
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert (final / rel).read_bytes() == data
+    assert "manifest.json" not in manifest["files"]
+
+
+def test_latest_pointer_names_newest(tmp_path):
+    assert ckpt.latest(tmp_path) is None
+    save(tmp_path, 1)
+    assert ckpt.latest(tmp_path) == ckpt.root(tmp_path) / "step_00000001"
+    save(tmp_path, 2)
+    assert (ckpt.root(tmp_path) / "latest").read_text() == "step_00000002\n"
+    assert ckpt.latest(tmp_path) == ckpt.root(tmp_path) / "step_00000002"
+    assert not (ckpt.root(tmp_path) / "latest.tmp").exists()
+
+
+def test_latest_pointer_replaced_atomically(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    pointer = ckpt.root(tmp_path) / "latest"
+    calls = []
+    real_replace = os.replace
+
+    def watching_replace(src, dst):
+        # Just before the swap the old pointer is intact and the new one is complete beside it.
+        calls.append((str(src), str(dst), pointer.read_text(), open(src).read()))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", watching_replace)
+    save(tmp_path, 2)
+    assert calls == [(str(pointer.with_suffix(".tmp")), str(pointer), "step_00000001\n", "step_00000002\n")]
+
+
+def test_crash_before_commit_leaves_previous_checkpoint(tmp_path):
+    save(tmp_path, 1)
+    staging = ckpt.prepare_staging(tmp_path, 2)
+    (staging / "model.safetensors").write_bytes(b"partial")
+    assert ckpt.latest(tmp_path) == ckpt.root(tmp_path) / "step_00000001"
+    save(tmp_path, 2)
+    assert ckpt.latest(tmp_path).name == "step_00000002"
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_keep_last_n(tmp_path, keep):
+    for step in (10, 20, 30, 40):
+        save(tmp_path, step, keep_last_n=keep)
+    expected = [f"step_{s:08d}" for s in (10, 20, 30, 40)][-keep:]
+    assert step_dirs(tmp_path) == expected
+    assert ckpt.latest(tmp_path).name == "step_00000040"
+
+
+def test_prune_orders_by_step_not_by_save_order(tmp_path):
+    for step in (9, 100, 1000):
+        save(tmp_path, step, keep_last_n=2)
+    assert step_dirs(tmp_path) == ["step_00000100", "step_00001000"]
+
+
+def test_prune_ignores_incomplete_dirs_and_staging_discards_stale_saves(tmp_path):
+    incomplete = ckpt.root(tmp_path) / "step_00000001"
+    incomplete.mkdir(parents=True)
+    (incomplete / "model.safetensors").write_bytes(b"x")
+    stale = ckpt.prepare_staging(tmp_path, 3)  # a save that crashed before its commit
+    for step in (2, 4, 6):
+        save(tmp_path, step, keep_last_n=1)
+    assert incomplete.is_dir()  # not a complete checkpoint: not counted, not removed
+    assert not stale.exists()  # the next save clears leftovers of crashed ones
+    assert step_dirs(tmp_path) == ["step_00000001", "step_00000006"]
+
+
+def test_commit_same_step_again_replaces_it(tmp_path):
+    save(tmp_path, 5, {"a.bin": b"old", "stale.bin": b"s"})
+    final = save(tmp_path, 5, {"a.bin": b"new"})
+    assert (final / "a.bin").read_bytes() == b"new"
+    assert not (final / "stale.bin").exists()
+    assert set(ckpt.read_manifest(final)["files"]) == {"a.bin"}
+
+
+def test_latest_pointing_to_dir_without_manifest(tmp_path):
+    save(tmp_path, 1)
+    broken = ckpt.root(tmp_path) / "step_00000009"
+    broken.mkdir()
+    (ckpt.root(tmp_path) / "latest").write_text("step_00000009\n")
+    with user_error("train.resume", "names step_00000009, which has no manifest.json"):
+        ckpt.latest(tmp_path)
+
+
+def test_latest_pointing_to_missing_dir(tmp_path):
+    ckpt.root(tmp_path).mkdir(parents=True)
+    (ckpt.root(tmp_path) / "latest").write_text("step_00000003")
+    with user_error("train.resume", "which has no manifest.json"):
+        ckpt.latest(tmp_path)
+
+
+def test_latest_without_checkpoints_dir(tmp_path):
+    assert ckpt.latest(tmp_path / "never_used") is None
