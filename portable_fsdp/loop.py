@@ -1,7 +1,8 @@
 """The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
 
-A backend is a module with init / train_step / eval_step / save_checkpoint / load_checkpoint /
-memory_report / placement / barrier / peak_flops / model_info / finalize; its state has a `.step`.
+A backend is a module with init / train_step / eval_step / count_label_tokens / predict_step /
+save_checkpoint / load_checkpoint / memory_report / placement / barrier / peak_flops / model_info /
+finalize; its state has a `.step`.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 from portable_fsdp import checkpointing
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
-from portable_fsdp.evaluation import evaluate
+from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
 
 
@@ -23,6 +24,22 @@ class Placement:
     world_size: int
     dp_rank: int  # which slice of the global batch this rank reads
     dp_size: int
+
+
+@dataclasses.dataclass
+class _Best:
+    """Early stopping and best-model bookkeeping, on eval_loss."""
+
+    eval_loss: float = float("inf")
+    step: int = 0
+    evals_without_improvement: int = 0
+
+    def update(self, eval_loss: float, step: int) -> bool:
+        if eval_loss < self.eval_loss:
+            self.eval_loss, self.step, self.evals_without_improvement = eval_loss, step, 0
+            return True
+        self.evals_without_improvement += 1
+        return False
 
 
 def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict:
@@ -41,6 +58,8 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     data = build_token_data(config.data, info.vocab_size, min_train_sequences=t.batch_size)
     batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed)
     evals = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches)
+    metrics_fn = resolve_metrics(t.compute_metrics)
+    manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
         path = checkpointing.latest(workdir)
         state = backend.load_checkpoint(state, path, checkpointing.read_manifest(path))
@@ -50,7 +69,7 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
     peak = backend.peak_flops(state)
     clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
-    saved, evaluated = None, None
+    saved, evaluated, best, stop_reason = None, None, _Best(), None
     for step in range(start, t.steps):
         began = time.perf_counter()
         state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
@@ -67,35 +86,52 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
                        "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
                        "epoch": batches.epoch_of(done), **backend.memory_report(state)})
             window = []
+        improved = False
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            evaluated = {"step": done, **evaluate(backend.eval_step, state, evals)}
+            evaluated = {"step": done, **evaluate(backend, state, evals, compute_metrics=metrics_fn)}
             log.write(evaluated)
-        stopping = done == t.stop_at_step
-        if (t.save_every and done % t.save_every == 0) or done == t.steps or stopping:
-            saved = save(backend, state, workdir, _manifest_info(config, plan, backend_name, where), t.keep_last_n, is_main)
-        if stopping:
+            improved = best.update(evaluated["eval_loss"], done)
+            if t.early_stopping_patience and best.evals_without_improvement >= t.early_stopping_patience:
+                stop_reason = f"early stopping: no better eval_loss in {t.early_stopping_patience} evals"
+        if done == t.stop_at_step:
+            stop_reason = f"train.stop_at_step={done}"
+        due = (t.save_every and done % t.save_every == 0) or done == t.steps or stop_reason
+        if due or (improved and t.load_best_model_at_end):
+            saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main, mark_best=improved)
+        if stop_reason:
             break
     progress.close()
+    end_step = state.step
+    if t.load_best_model_at_end and checkpointing.best(workdir):
+        path = checkpointing.best(workdir)
+        state = backend.load_checkpoint(state, path, checkpointing.read_manifest(path))
     log.close()
-    result = _summary(backend_name, where, start, state.step, clock.seconds(), step_times, first_loss, last,
+    result = _summary(backend_name, where, start, end_step, clock.seconds(), step_times, first_loss, last,
                       evaluated, saved, model_flops, peak, config)
+    if stop_reason:
+        result["stopped"] = stop_reason
+    if t.load_best_model_at_end and best.step:
+        result["best model"] = f"step {best.step}, eval_loss {best.eval_loss:.4f} ({checkpointing.best(workdir)})"
     if is_main:
         print(summary(result), flush=True)
     return result
 
 
-def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool) -> pathlib.Path:
+def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
+         mark_best: bool = False) -> pathlib.Path:
     """Stage, write on every rank, then commit atomically on rank 0 (see portable_fsdp.checkpointing)."""
     if is_main:
         checkpointing.prepare_staging(workdir, state.step)
     backend.barrier(state)
     backend.save_checkpoint(state, checkpointing.staging_dir(workdir, state.step))
     backend.barrier(state)
-    final = None
+    final = checkpointing.root(workdir) / f"step_{state.step:08d}"
     if is_main:
-        final = checkpointing.commit(workdir, state.step, info, keep_last_n)
+        if mark_best:  # before the commit prunes, so the new best is spared
+            checkpointing.mark_best(workdir, final)
+        checkpointing.commit(workdir, state.step, info, keep_last_n)
     backend.barrier(state)
-    return final or checkpointing.root(workdir) / f"step_{state.step:08d}"
+    return final
 
 
 def _manifest_info(config, plan, backend_name: str, where: Placement) -> dict:
@@ -117,7 +153,10 @@ def _summary(backend_name, where, start, end, seconds, step_times, first_loss, l
         result["tokens/s (median step)"] = f"{tokens_per_step / median:,.0f}"
         result["MFU"] = f"{100 * model_flops * tokens_per_step / median / (peak * where.world_size):.2f}%"
     if evaluated:
-        result["eval_loss"] = f"{evaluated['eval_loss']:.4f} (perplexity {evaluated['perplexity']:.2f}, {evaluated['eval_tokens']} tokens)"
+        extra = "".join(f", {k} {v:.4f}" for k, v in evaluated.items()
+                        if k.startswith("eval_") and k not in ("eval_loss", "eval_tokens"))
+        result["eval_loss"] = (f"{evaluated['eval_loss']:.4f} (perplexity {evaluated['perplexity']:.2f}, "
+                               f"{evaluated['eval_tokens']} tokens{extra})")
     if saved:
         result["checkpoint"] = str(saved)
     return result

@@ -25,10 +25,11 @@ class StateDictType(str, enum.Enum):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+CP_ROTATE_METHODS = ("allgather", "alltoall")
+CP_IMPLS = ("auto", "torch", "portable")
 
 # Mesh axes a backend cannot honour yet, and the product issue each waits for.
 UNBUILT_AXES = {
-    "cp_size": "context parallelism (issue 'Context parallelism in the torch lowering')",
     "tp_size": "tensor parallelism (not on the roadmap yet)",
     "ep_size": "expert parallelism for MoE models (not on the roadmap yet)",
     "sp_size": "Ulysses sequence parallelism (not on the roadmap yet)",
@@ -106,6 +107,9 @@ class ShardingPlan:
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
     mixed_precision: MixedPrecision = MixedPrecision()
+    cp_rotate_method: str = "allgather"  # how K/V move round the cp group: allgather | alltoall (ring)
+    cp_impl: str = "auto"  # auto (torch on CUDA, portable elsewhere) | torch | portable
+    cp_load_balance: bool = True  # head-tail chunks (even causal work); False = contiguous slices
     xla: XlaSettings = XlaSettings()
 
     def validate(self, *, model_gradient_checkpointing: bool = False) -> None:
@@ -122,15 +126,29 @@ class ShardingPlan:
             raise UserError("plan.min_num_params", (
                 "SIZE_BASED_WRAP needs a positive min_num_params (e.g. 100000000); "
                 "set plan.min_num_params or choose another plan.auto_wrap_policy"))
+        if self.cp_rotate_method not in CP_ROTATE_METHODS:
+            raise UserError("plan.cp_rotate_method", (
+                f"unknown value {self.cp_rotate_method!r}; choose one of {', '.join(CP_ROTATE_METHODS)}"))
+        if self.cp_impl not in CP_IMPLS:
+            raise UserError("plan.cp_impl", f"unknown value {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self.mixed_precision, name)
             if value not in DTYPES:
                 raise UserError(f"plan.{name}", f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")
 
+    def resolved_cp_impl(self, device_type: str) -> str:
+        """`auto` takes torch's context_parallel on CUDA (its fused SDPA kernels), portable elsewhere."""
+        impl = self.cp_impl if self.cp_impl != "auto" else ("torch" if device_type == "cuda" else "portable")
+        if impl == "torch" and device_type != "cuda":
+            raise UserError("plan.cp_impl", (
+                f"torch's context_parallel needs CUDA SDPA kernels and cannot run on {device_type}; "
+                "use plan.cp_impl=portable (or auto)"))
+        return impl
+
     def check_buildable(self) -> None:
         """Refuse, instead of ignoring, what no backend built so far can honour."""
         for name, size in self.mesh.other_axes().items():
-            if size > 1:
+            if size > 1 and name in UNBUILT_AXES:
                 raise UserError(f"plan.{name}", (
                     f"= {size} needs {UNBUILT_AXES[name]}, which is not built yet; set plan.{name}=1"))
 

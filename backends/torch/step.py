@@ -1,9 +1,10 @@
 """The functional training surface of the torch lowering: `init(config, plan) -> state`,
 `train_step(state, micro_batches) -> (state, metrics)`, `eval_step(state, batch) -> metrics`.
 
-Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch. FSDP averages
-gradients over the data-parallel ranks, so each rank's backward scales its token-loss sum by
-dp_size / global_tokens (gloo has no PREMUL_SUM to do it inside the reduce-scatter).
+Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch, the tokens
+counted before context parallelism shards a batch. FSDP averages gradients over the ranks it shards
+over, so each rank's backward scales its token-loss sum by shard_ranks / global_tokens (gloo has no
+PREMUL_SUM to do it inside the reduce-scatter).
 """
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.torch import distributed, model as model_lib
-from portable_fsdp.backends.torch.mesh import build_mesh
+from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
+from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
+from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
 from portable_fsdp.loop import Placement
 from portable_fsdp.model_info import ModelInfo
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
+from portable_fsdp.sequence_split import gathered_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +39,15 @@ class Context:
     runtime: distributed.Runtime
     plan: ShardingPlan
     config: object
-    mesh: object
+    meshes: Meshes
+    cp: CPGroup | None
     info: ModelInfo
     schedule: object
 
     @property
-    def dp_rank(self) -> int:
-        return self.runtime.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.plan.mesh.data_parallel_size
+    def counts_tokens(self) -> bool:
+        """One rank per cp group counts a batch's label tokens (its ranks share the batch)."""
+        return self.cp is None or self.cp.cp_rank == 0
 
 
 @dataclasses.dataclass
@@ -60,17 +62,24 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
     info = model_lib.describe_model(config)
     layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
-    mesh = build_mesh(plan.mesh, runtime.device.type)
+    meshes = build_meshes(plan.mesh, runtime.device.type)
+    cp = None
+    if meshes.cp is not None:
+        cp = CPGroup(group=meshes.cp.get_group(), mesh=meshes.cp, cp_rank=meshes.cp_rank, cp_size=plan.mesh.cp_size,
+                     rotate_method=plan.cp_rotate_method, impl=plan.resolved_cp_impl(runtime.device.type),
+                     load_balance=plan.cp_load_balance)
     rank0_only = plan.cpu_ram_efficient_loading
     model = model_lib.create_model(config, runtime.rank, rank0_only)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    parallelize(model, plan, mesh, layer_classes, runtime.device.type)
+    if cp is not None:
+        apply_context_parallel(model, cp)
+    parallelize(model, plan, meshes.shard, layer_classes, runtime.device.type)
     if rank0_only:
         model_lib.broadcast_from_rank0(model, full_weights, torch.device("cpu") if plan.cpu_offload else runtime.device)
     optimizer = build_optimizer(model, config.train)
-    return TrainState(model, optimizer, 0, Context(runtime, plan, config, mesh, info, schedule_for(config.train)))
+    return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train)))
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
@@ -83,14 +92,9 @@ def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
                              foreach=False, fused=False)
 
 
-def _to_device(batch: Batch, device: torch.device):
-    return (torch.from_numpy(batch.input_ids).to(device, non_blocking=True),
-            torch.from_numpy(batch.labels).to(device, non_blocking=True))
-
-
-def token_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
-    input_ids, labels = _to_device(batch, device)
-    logits = model(input_ids=input_ids, use_cache=False).logits
+def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids) -> torch.Tensor:
+    """Σ of token losses over this rank's tokens (labels were shifted before any sharding)."""
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -104,13 +108,16 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     ctx, model = state.ctx, state.model
     device = ctx.runtime.device
     model.train()
-    (global_tokens,) = _all_reduce_sum([sum(b.num_label_tokens for b in micro_batches)], device)
-    scale = ctx.dp_size / max(global_tokens, 1.0)
+    counted = sum(b.num_label_tokens for b in micro_batches) if ctx.counts_tokens else 0
+    (global_tokens,) = _all_reduce_sum([counted], device)
+    # FSDP averages gradients over its mesh (fsdp x cp ranks); undo that so they sum, then divide by tokens.
+    scale = ctx.meshes.shard.size() / max(global_tokens, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        batch_loss = token_loss_sum(model, batch, device)
-        (batch_loss * scale).backward()
+        with sequence_shard(ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, labels, positions):
+            batch_loss = token_loss_sum(model, input_ids, labels, positions)
+            (batch_loss * scale).backward()  # inside: checkpointed layers re-run CP attention in backward
         loss_sum += batch_loss.detach().double()
     grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)
     lr = ctx.schedule(state.step)
@@ -142,12 +149,57 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device
     return norm
 
 
+def count_label_tokens(state: TrainState, batch: Batch) -> int:
+    """num_items_in_batch: label tokens of the global batch, counted before any cp sharding (a collective)."""
+    counted = batch.num_label_tokens if state.ctx.counts_tokens else 0
+    return int(_all_reduce_sum([counted], state.ctx.runtime.device)[0])
+
+
 @torch.no_grad()
-def eval_step(state: TrainState, batch: Batch) -> dict:
+def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
+    """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once."""
     state.model.eval()
-    loss = token_loss_sum(state.model, batch, state.ctx.runtime.device).item()
-    loss_sum, tokens = _all_reduce_sum([loss, batch.num_label_tokens], state.ctx.runtime.device)
-    return {"loss_sum": loss_sum, "tokens": int(tokens)}
+    device = state.ctx.runtime.device
+    with sequence_shard(state.ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, labels, positions):
+        loss = token_loss_sum(state.model, input_ids, labels, positions).item()
+    return {"loss_sum": _all_reduce_sum([loss], device)[0]}
+
+
+@torch.no_grad()
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
+    """Predictions of the global batch, full length, in the original token order, on every rank.
+
+    Logits stay sharded along the sequence during the forward; only here are they gathered over the cp
+    group (and the load-balanced split undone), then over the data-parallel ranks. `return_logits`
+    gathers the full [global batch, seq_len, vocab] logits on every rank: that much memory per rank.
+    Batches without labels take the same path."""
+    ctx = state.ctx
+    state.model.eval()
+    device = ctx.runtime.device
+    with sequence_shard(ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, _, positions):
+        logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+    outputs = {"predictions": logits.argmax(-1)}
+    if return_logits:
+        outputs["logits"] = logits
+    if ctx.cp is not None:
+        outputs = {k: _unshard_cp(v, ctx.cp) for k, v in outputs.items()}
+    if batch.labels is not None:
+        outputs["labels"] = torch.from_numpy(batch.labels).to(device)
+    return {k: _gather_data_parallel(v, ctx).cpu().numpy() for k, v in outputs.items()}
+
+
+def _unshard_cp(local: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    gathered = gather_sequence_no_grad(local, cp.group, dim=1)
+    order = torch.from_numpy(gathered_order(gathered.shape[1], cp.cp_size, cp.load_balance)).to(local.device)
+    return torch.empty_like(gathered).index_copy_(1, order, gathered)
+
+
+def _gather_data_parallel(full_length: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Rows of every data-parallel rank, in global-batch order (cp ranks hold identical copies)."""
+    parts = [torch.empty_like(full_length) for _ in range(ctx.runtime.world_size)]
+    dist.all_gather(parts, full_length.contiguous())
+    cp_size = ctx.cp.cp_size if ctx.cp is not None else 1
+    return torch.cat(parts[::cp_size])
 
 
 def _state_bytes(state: TrainState) -> int:
@@ -200,7 +252,7 @@ def peak_flops_per_device(device: torch.device) -> float:
 
 def placement(state: TrainState) -> Placement:
     return Placement(rank=state.ctx.runtime.rank, world_size=state.ctx.runtime.world_size,
-                     dp_rank=state.ctx.dp_rank, dp_size=state.ctx.dp_size)
+                     dp_rank=state.ctx.meshes.dp_rank, dp_size=state.ctx.meshes.dp_size)
 
 
 def barrier(state: TrainState) -> None:

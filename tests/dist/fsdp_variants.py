@@ -80,7 +80,7 @@ def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
     from portable_fsdp.plan import StateDictType
 
     evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)
-    before = evaluate(backend.eval_step, state, evals)["eval_loss"]
+    before = evaluate(backend, state, evals)["eval_loss"]
     sharded_plan = dataclasses.replace(plan, state_dict_type=StateDictType.SHARDED_STATE_DICT)
     state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=sharded_plan))
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
@@ -88,9 +88,9 @@ def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
     backend.save_checkpoint(state, directory[0])
     dist.barrier()
     fresh = backend.init(config, sharded_plan, "cpu")
-    fresh_loss = evaluate(backend.eval_step, fresh, evals)["eval_loss"]
+    fresh_loss = evaluate(backend, fresh, evals)["eval_loss"]
     fresh = backend.load_checkpoint(fresh, directory[0], {"step": state.step, "world_size": dist.get_world_size()})
-    after = evaluate(backend.eval_step, fresh, evals)["eval_loss"]
+    after = evaluate(backend, fresh, evals)["eval_loss"]
     return {"sharded_eval_before": before, "sharded_eval_after": after, "fresh_eval": fresh_loss,
             "sharded_files": sorted(os.listdir(os.path.join(directory[0], "sharded")))}
 

@@ -17,7 +17,7 @@ def run_main(capsys, *args):
 CASES = [
     # (arguments, field named, a phrase of the fix)
     (["--config.train.stepz=3"], "config.train.stepz", "did you mean config.train.steps"),
-    (["--config.train.steps=abc"], "config.train.steps", "expects a int"),
+    (["--config.train.steps=abc"], "config.train.steps", "expects an int"),
     (["--config.train.steps"], "config.train.steps", "needs a value"),
     (["--config.plan=3"], "config.plan", "is a section"),
     (["--config.plan.reshard_after_forward=maybe"], "config.plan.reshard_after_forward", "expects a bool"),
@@ -32,7 +32,13 @@ CASES = [
     (["--config.plan.fsdp_size=0"], "plan.fsdp_size", "positive integer"),
     (["--config.plan.cp_size=3"], "plan.fsdp_size", "not divisible"),
     (["--config.plan.cp_size=2", "--config.plan.sp_size=2", "--nproc", "4"], "plan.cp_size", "alternatives"),
-    (["--config.plan.cp_size=2"], "plan.cp_size", "not built yet"),
+    (["--config.plan.cp_size=2", "--config.data.seq_len=66"], "data.seq_len", "divisible by 2 x plan.cp_size = 4"),
+    (["--config.plan.cp_size=2", "--config.plan.cp_impl=torch"], "plan.cp_impl", "needs CUDA"),
+    (["--config.plan.cp_rotate_method=ring"], "plan.cp_rotate_method", "allgather, alltoall"),
+    (["--config.plan.cp_impl=fast"], "plan.cp_impl", "auto, torch, portable"),
+    (["--config.train.load_best_model_at_end=true"], "train.load_best_model_at_end", "train.eval_every > 0"),
+    (["--config.train.early_stopping_patience=2"], "train.early_stopping_patience", "train.eval_every > 0"),
+    (["--config.train.compute_metrics=nope:nothing"], "train.compute_metrics", "token_accuracy"),
     (["--config.plan.tp_size=2"], "plan.tp_size", "not built yet"),
     (["--config.plan.ep_size=2"], "plan.ep_size", "not built yet"),
     (["--config.plan.sp_size=2"], "plan.sp_size", "not built yet"),
