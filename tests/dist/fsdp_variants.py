@@ -17,6 +17,8 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batch
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan
 
+# 3 full eval batches of 8 and one with 3 real rows: ranks see different numbers of label tokens.
+EVAL_SEQUENCES = 27
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.py") + ":test"
 
 VARIANTS = {
@@ -31,6 +33,16 @@ VARIANTS = {
     "batch8_accum4": {"train.batch_size": "8", "train.grad_accum_steps": "4"},
     "rank0_loading": {"plan.cpu_ram_efficient_loading": "true"},
     "tied": {"model.tie_word_embeddings": "true"},
+    # Context parallelism: run with --nproc_per_node 2 (cp2_*) or 4 (fsdp2_cp2_*, cp4_*).
+    "cp2_allgather": {"plan.cp_size": "2"},
+    "cp2_alltoall": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
+    "fsdp2_cp2_allgather": {"plan.cp_size": "2"},
+    "fsdp2_cp2_alltoall": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
+    "fsdp2_cp2_alltoall_checkpointing": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall",
+                                         "plan.activation_checkpointing": "true"},
+    "cp4_allgather": {"plan.cp_size": "4"},
+    "cp4_alltoall_contiguous": {"plan.cp_size": "4", "plan.cp_rotate_method": "alltoall",
+                                "plan.cp_load_balance": "false"},
     "tied_rank0_loading": {"model.tie_word_embeddings": "true", "plan.cpu_ram_efficient_loading": "true"},
 }
 
@@ -61,11 +73,15 @@ def run_variant(name: str, steps: int, backend) -> dict:
     where = backend.placement(state)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed)
+    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size)
+    initial_eval = evaluate(backend, state, evals)
+    first_predictions = backend.predict_step(state, evals[0])
     losses = []
     for step in range(steps):
         state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
         losses.append(metrics["loss"])
     result = {"losses": losses, "local_fraction": local_fraction(state.model),
+              "initial_eval": initial_eval, "first_predictions": first_predictions["predictions"].tolist(),
               "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
               "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
     if name == "reshard_on":

@@ -1,0 +1,126 @@
+"""Context parallelism on gloo: the portable attention against unsharded SDPA, training against the
+single-process reference, and eval_loss / predictions under CP against cp=1."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from portable_fsdp.backends.torch.model import create_model
+from portable_fsdp.data.loader import build_token_data
+from portable_fsdp.sequence_split import shard_indices
+from tests.dist.fsdp_variants import EVAL_SEQUENCES, make_config
+from tests.parity.reference import max_relative_difference, reference_losses
+
+HERE = os.path.dirname(__file__)
+STEPS = 20
+WORLD2 = ["cp2_allgather", "cp2_alltoall"]
+WORLD4 = ["fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
+          "cp4_alltoall_contiguous"]
+EVAL_RTOL = 1e-6
+
+
+def mesh_of(name: str) -> tuple:
+    """(fsdp, cp) of a variant name."""
+    return (2, 2) if name.startswith("fsdp2_cp2") else (1, int(name[2]))
+
+
+def torchrun(nproc: int, script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                           os.path.join(HERE, script), *args], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    torchrun(2, "fsdp_variants.py", str(out / "w2.json"), str(STEPS), *WORLD2)
+    torchrun(4, "fsdp_variants.py", str(out / "w4.json"), str(STEPS), *WORLD4)
+    return {**json.loads((out / "w2.json").read_text()), **json.loads((out / "w4.json").read_text())}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_portable_attention_matches_unsharded_forward_and_backward(tmp_path, world):
+    torchrun(world, "cp_attention_check.py", str(tmp_path / "attn.json"))
+    results = json.loads((tmp_path / "attn.json").read_text())
+    assert len(results) == 8  # allgather/alltoall x balanced/contiguous x causal/documents
+    for case, diffs in results.items():
+        assert diffs["worst_all_ranks"] <= 1e-5, (case, diffs)
+
+
+@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+def test_training_losses_match_single_process(cp_results, name):
+    reference = reference_losses(make_config({}), STEPS)
+    assert max_relative_difference(cp_results[name]["losses"], reference) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference_eval():
+    """Per-token losses and argmax of the unsharded model at init on the eval sequences the runs used."""
+    config = make_config({})
+    model = create_model(config, rank=0, rank0_only=False)
+    data = build_token_data(config.data, config.model.vocab_size, 1)
+    sequences = data.eval[:EVAL_SEQUENCES]
+    inputs, labels = torch.from_numpy(sequences[:, :-1]), torch.from_numpy(sequences[:, 1:])
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    token_losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return {"token_losses": token_losses.numpy().astype(np.float64), "logits": logits, "inputs": inputs,
+            "argmax": logits.argmax(-1).numpy(), "batch": config.train.eval_batch_size}
+
+
+def _padded_rows(n_rows: int, batch: int) -> int:
+    return -(-n_rows // batch) * batch
+
+
+def wrong_eval_losses(ref, fsdp: int, cp: int) -> dict:
+    """What the known mistakes would report on this data — each must be far from the truth."""
+    losses, n_rows, batch = ref["token_losses"], ref["token_losses"].shape[0], ref["batch"]
+    seq = losses.shape[1]
+    truth = losses.sum() / losses.size
+    padded = np.zeros((_padded_rows(n_rows, batch), seq))
+    mask = np.zeros_like(padded, dtype=bool)
+    padded[:n_rows], mask[:n_rows] = losses, True
+    per_rank = []
+    for start in range(0, len(padded), batch):
+        for dp_rank in range(fsdp):
+            rows = slice(start + dp_rank * batch // fsdp, start + (dp_rank + 1) * batch // fsdp)
+            for cp_rank in range(cp):
+                cols = shard_indices(seq, cp, cp_rank)
+                tokens = mask[rows][:, cols].sum()
+                per_rank.append(padded[rows][:, cols].sum() / tokens if tokens else np.nan)
+    # Labels shifted inside each shard: every contiguous chunk predicts its own next token, and loses one.
+    logits, inputs = ref["logits"], ref["inputs"]
+    chunk = seq // (2 * cp)
+    shifted = []
+    for c in range(2 * cp):
+        part_logits = logits[:, c * chunk:(c + 1) * chunk - 1]
+        part_labels = inputs[:, c * chunk + 1:(c + 1) * chunk]
+        shifted.append(F.cross_entropy(part_logits.flatten(0, 1), part_labels.flatten(), reduction="none"))
+    return {"times_cp": truth * cp, "mean_of_rank_means": float(np.nanmean(per_rank)),
+            "per_shard_shift": torch.cat(shifted).mean().item()}
+
+
+@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+def test_eval_loss_under_cp_equals_unsharded(cp_results, reference_eval, name):
+    losses = reference_eval["token_losses"]
+    truth = losses.sum() / losses.size
+    got = cp_results[name]["initial_eval"]
+    assert got["eval_tokens"] == losses.size  # counted before sharding, once per batch
+    assert got["eval_loss"] == pytest.approx(truth, rel=EVAL_RTOL)
+    for mistake, value in wrong_eval_losses(reference_eval, *mesh_of(name)).items():
+        # The known mistakes land at least 10x the tolerance away, so the assertion above would catch them.
+        assert abs(value - truth) / truth > 10 * EVAL_RTOL, f"this data would not reveal the {mistake} error"
+
+
+@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+def test_gathered_predictions_are_the_unsharded_argmax_in_order(cp_results, reference_eval, name):
+    predictions = np.array(cp_results[name]["first_predictions"])
+    batch = reference_eval["batch"]
+    assert predictions.shape == (batch, reference_eval["argmax"].shape[1])  # rows of the batch, not cp_size x
+    assert (predictions == reference_eval["argmax"][:batch]).all()

@@ -1,0 +1,107 @@
+"""The neutral loop with a scripted backend: early stopping, best-model bookkeeping, stop_at_step, resume."""
+import dataclasses
+import json
+import pathlib
+
+from portable_fsdp import checkpointing, loop
+from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.validate import resolve_plan
+
+
+@dataclasses.dataclass
+class State:
+    step: int
+    weights_from: int = 0  # the step whose "weights" the state holds
+
+
+class ScriptedBackend:
+    """Implements the backend surface; eval_loss follows a script indexed by evaluation number."""
+
+    def __init__(self, eval_losses):
+        self.eval_losses = list(eval_losses)
+        self.evals = 0
+        self.loaded = []
+
+    def init(self, config, plan, name):
+        return State(step=0)
+
+    def placement(self, state):
+        return loop.Placement(rank=0, world_size=1, dp_rank=0, dp_size=1)
+
+    def model_info(self, state):
+        return ModelInfo((), (), 1000, 2, 64, 384)
+
+    def peak_flops(self, state):
+        return 1e9
+
+    def train_step(self, state, micro_batches):
+        return State(state.step + 1, state.step + 1), {"loss": 1.0, "tokens": 10, "grad_norm": 0.5, "lr": 1e-3}
+
+    def memory_report(self, state):
+        return {"mem_mb": [1.0], "peak_mem_mb": [1.0], "state_mb": [0.1]}
+
+    def count_label_tokens(self, state, batch):
+        return 1
+
+    def eval_step(self, state, batch, num_items_in_batch):  # one batch per evaluation (eval_max_batches=1)
+        self.evals += 1
+        return {"loss_sum": self.eval_losses[self.evals - 1]}
+
+    def predict_step(self, state, batch):
+        raise AssertionError("no compute_metrics configured")
+
+    def barrier(self, state):
+        pass
+
+    def save_checkpoint(self, state, directory):
+        pathlib.Path(directory, "weights.json").write_text(json.dumps({"step": state.weights_from}))
+
+    def load_checkpoint(self, state, directory, manifest):
+        self.loaded.append(pathlib.Path(directory).name)
+        return State(manifest["step"], json.loads(pathlib.Path(directory, "weights.json").read_text())["step"])
+
+    def finalize(self, state):
+        pass
+
+
+def run(tmp_path, backend, **train):
+    config = load_recipe("llama_tiny:test")
+    overrides = {"eval_max_batches": 1, "eval_batch_size": 1, "log_every": 1, **train}
+    for key, value in overrides.items():
+        apply_override(config, f"train.{key}", str(value).lower())
+    return loop.run(config, resolve_plan(config, 1), backend, "cpu", tmp_path)
+
+
+def evals(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+
+
+def test_early_stopping_after_patience_evals_without_improvement(tmp_path):
+    backend = ScriptedBackend([3.0, 2.0, 2.5, 2.1, 1.0, 0.5])
+    result = run(tmp_path, backend, steps=12, eval_every=2, early_stopping_patience=2)
+    assert [e["step"] for e in evals(tmp_path)] == [2, 4, 6, 8]  # 2.5 and 2.1 do not beat 2.0: stop at 8
+    assert "early stopping" in result["stopped"]
+    assert checkpointing.latest(tmp_path).name == "step_00000008"  # stopping saves a checkpoint
+
+
+def test_load_best_model_at_end_keeps_and_loads_the_best(tmp_path):
+    backend = ScriptedBackend([3.0, 1.0, 2.0, 2.5, 2.6])
+    result = run(tmp_path, backend, steps=10, eval_every=2, load_best_model_at_end=True, keep_last_n=1)
+    assert checkpointing.best(tmp_path).name == "step_00000004"
+    assert (tmp_path / "checkpoints" / "step_00000004").is_dir()  # pruning spares the best
+    assert (tmp_path / "checkpoints" / "step_00000010").is_dir()
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+    assert backend.loaded == ["step_00000004"]
+    assert "step 4, eval_loss 1.0000" in result["best model"]
+
+
+def test_stop_at_step_then_resume_continues_where_it_stopped(tmp_path):
+    first = run(tmp_path, ScriptedBackend([1.0] * 5), steps=10, eval_every=5, stop_at_step=4)
+    assert first["stopped"] == "train.stop_at_step=4"
+    resumed_backend = ScriptedBackend([1.0] * 5)
+    run(tmp_path, resumed_backend, steps=10, eval_every=5, resume=True)
+    assert resumed_backend.loaded == ["step_00000004"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 11))
