@@ -45,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = "byte"  # "byte" or a local tokenizer directory (AutoTokenizer.from_pretrained)
     c.data.seq_len = 128
     c.data.eval_fraction = 0.05
+    c.data.document_masking = False  # packed documents attend only within themselves (position ids restart)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300

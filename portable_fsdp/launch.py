@@ -23,7 +23,11 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path)
     """Every check that can be made without starting a worker."""
     plan = resolve_plan(config, world_size)
     if plan.mesh.cp_size > 1:
-        plan.resolved_cp_impl("cuda" if backend_name == "cuda" else "cpu")
+        impl = plan.resolved_cp_impl("cuda" if backend_name == "cuda" else "cpu")
+        if impl == "torch" and config.data.document_masking:
+            raise UserError("data.document_masking", (
+                "torch's context_parallel supports causal attention only; use plan.cp_impl=portable, "
+                "which honours document boundaries exactly"))
     backend = backends.load(backend_name)
     info = backend.describe_model(config)
     plan.wrap_classes(info.no_split_modules, info.class_names)

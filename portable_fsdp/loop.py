@@ -56,8 +56,10 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     is_main = where.rank == 0
     info = backend.model_info(state)
     data = build_token_data(config.data, info.vocab_size, min_train_sequences=t.batch_size)
-    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed)
-    evals = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches)
+    documents_end_at = data.eos_token_id if config.data.document_masking else None
+    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
+    evals = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches,
+                         documents_end_at)
     metrics_fn = resolve_metrics(t.compute_metrics)
     manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):

@@ -115,7 +115,7 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        with sequence_shard(ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, labels, positions):
+        with sequence_shard(ctx.cp, batch, device) as (input_ids, labels, positions):
             batch_loss = token_loss_sum(model, input_ids, labels, positions)
             (batch_loss * scale).backward()  # inside: checkpointed layers re-run CP attention in backward
         loss_sum += batch_loss.detach().double()
@@ -160,7 +160,7 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once."""
     state.model.eval()
     device = state.ctx.runtime.device
-    with sequence_shard(state.ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, labels, positions):
+    with sequence_shard(state.ctx.cp, batch, device) as (input_ids, labels, positions):
         loss = token_loss_sum(state.model, input_ids, labels, positions).item()
     return {"loss_sum": _all_reduce_sum([loss], device)[0]}
 
@@ -176,7 +176,7 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     ctx = state.ctx
     state.model.eval()
     device = ctx.runtime.device
-    with sequence_shard(ctx.cp, batch.input_ids, batch.labels, device) as (input_ids, _, positions):
+    with sequence_shard(ctx.cp, batch, device) as (input_ids, _, positions):
         logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
     outputs = {"predictions": logits.argmax(-1)}
     if return_logits:

@@ -21,6 +21,9 @@ IGNORE_INDEX = -100
 class Batch:
     input_ids: np.ndarray  # [b, seq_len] int64
     labels: np.ndarray | None  # [b, seq_len] int64, IGNORE_INDEX where no loss is taken; None to predict only
+    # With data.document_masking: position within its document, and the document's number in the row.
+    position_ids: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
 
     @property
     def num_label_tokens(self) -> int:
@@ -32,6 +35,7 @@ class TokenData:
     train: np.ndarray  # [n_train, seq_len + 1]
     eval: np.ndarray  # [n_eval, seq_len + 1]
     vocab_size: int
+    eos_token_id: int
 
 
 def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) -> TokenData:
@@ -53,19 +57,31 @@ def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) 
     starts = np.arange(n_sequences) * data_cfg.seq_len
     sequences = tokens[starts[:, None] + np.arange(window)[None, :]].astype(np.int64)
     return TokenData(train=sequences[: n_sequences - n_eval], eval=sequences[n_sequences - n_eval:],
-                     vocab_size=tokenizer.vocab_size)
+                     vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
 
 
-def _as_batch(sequences: np.ndarray) -> Batch:
+def _as_batch(sequences: np.ndarray, documents_end_at: int | None = None) -> Batch:
+    """`documents_end_at`: the eos id, to keep packed documents apart (else one causal stream per row)."""
     # Copies, not views: inputs and labels of one row overlap in memory, and eval padding writes labels.
-    return Batch(input_ids=sequences[:, :-1].copy(), labels=sequences[:, 1:].copy())
+    batch = Batch(input_ids=sequences[:, :-1].copy(), labels=sequences[:, 1:].copy())
+    if documents_end_at is None:
+        return batch
+    ends = batch.input_ids == documents_end_at
+    segments = np.concatenate([np.zeros((len(ends), 1), np.int64), np.cumsum(ends, axis=1)[:, :-1]], axis=1)
+    index = np.broadcast_to(np.arange(ends.shape[1]), ends.shape)
+    starts = np.where(np.concatenate([np.ones((len(ends), 1), bool), ends[:, :-1]], axis=1), index, 0)
+    positions = index - np.maximum.accumulate(starts, axis=1)
+    batch.labels[ends] = IGNORE_INDEX  # an eos would predict the next document's first token, unseen
+    return dataclasses.replace(batch, position_ids=positions, segment_ids=segments)
 
 
 class TrainBatches:
     """Step `s` takes the global batch of sequences [s*B, (s+1)*B) of an endless stream of epochs,
     each a fresh permutation seeded by (seed, epoch)."""
 
-    def __init__(self, sequences: np.ndarray, global_batch: int, grad_accum: int, seed: int):
+    def __init__(self, sequences: np.ndarray, global_batch: int, grad_accum: int, seed: int,
+                 documents_end_at: int | None = None):
+        self.documents_end_at = documents_end_at
         self.sequences = sequences
         self.global_batch = global_batch
         self.grad_accum = grad_accum
@@ -91,14 +107,15 @@ class TrainBatches:
         batches = []
         for m in range(self.grad_accum):
             start = m * per_micro + dp_rank * per_rank
-            batches.append(_as_batch(self.sequences[indices[start:start + per_rank]]))
+            batches.append(_as_batch(self.sequences[indices[start:start + per_rank]], self.documents_end_at))
         return batches
 
     def epoch_of(self, step: int) -> float:
         return step * self.global_batch / len(self.sequences)
 
 
-def eval_batches(sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int = 0) -> list:
+def eval_batches(sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int = 0,
+                 documents_end_at: int | None = None) -> list:
     """Every rank gets the same number of batches (collectives stay matched): the tail is padded with
     rows whose labels are all ignored, so they count for nothing."""
     n_batches = -(-len(sequences) // global_batch)
@@ -111,7 +128,7 @@ def eval_batches(sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size
     per_rank = global_batch // dp_size
     for b in range(n_batches):
         start = b * global_batch + dp_rank * per_rank
-        batch = _as_batch(padded[start:start + per_rank])
+        batch = _as_batch(padded[start:start + per_rank], documents_end_at)
         pad_rows = np.arange(start, start + per_rank) >= keep
         batch.labels[pad_rows] = IGNORE_INDEX
         batches.append(batch)

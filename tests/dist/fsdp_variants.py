@@ -3,6 +3,7 @@ rank 0's per-step losses, the sharding it observed and a SHARDED checkpoint roun
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/fsdp_variants.py OUT.json STEPS V...
 """
+import dataclasses
 import json
 import os
 import sys
@@ -43,6 +44,9 @@ VARIANTS = {
     "cp4_allgather": {"plan.cp_size": "4"},
     "cp4_alltoall_contiguous": {"plan.cp_size": "4", "plan.cp_rotate_method": "alltoall",
                                 "plan.cp_load_balance": "false"},
+    "documents": {"data.document_masking": "true"},
+    "documents_cp2_allgather": {"data.document_masking": "true", "plan.cp_size": "2"},
+    "documents_cp2_alltoall": {"data.document_masking": "true", "plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
     "tied_rank0_loading": {"model.tie_word_embeddings": "true", "plan.cpu_ram_efficient_loading": "true"},
 }
 
@@ -72,16 +76,20 @@ def run_variant(name: str, steps: int, backend) -> dict:
     state = backend.init(config, plan, "cpu")
     where = backend.placement(state)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
-    batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed)
-    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size)
+    ends = data.eos_token_id if config.data.document_masking else None
+    batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, ends)
+    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size,
+                         documents_end_at=ends)
     initial_eval = evaluate(backend, state, evals)
     first_predictions = backend.predict_step(state, evals[0])
+    unlabeled = backend.predict_step(state, dataclasses.replace(evals[0], labels=None))
     losses = []
     for step in range(steps):
         state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
         losses.append(metrics["loss"])
     result = {"losses": losses, "local_fraction": local_fraction(state.model),
               "initial_eval": initial_eval, "first_predictions": first_predictions["predictions"].tolist(),
+              "unlabeled_predictions_match": bool((unlabeled["predictions"] == first_predictions["predictions"]).all()),
               "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
               "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
     if name == "reshard_on":
@@ -91,8 +99,6 @@ def run_variant(name: str, steps: int, backend) -> dict:
 
 def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
     """Save SHARDED, load into a freshly initialised FSDP2 model: eval_loss must not change."""
-    import dataclasses
-
     from portable_fsdp.plan import StateDictType
 
     evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)

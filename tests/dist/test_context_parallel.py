@@ -18,7 +18,7 @@ from tests.parity.reference import max_relative_difference, reference_losses
 
 HERE = os.path.dirname(__file__)
 STEPS = 20
-WORLD2 = ["cp2_allgather", "cp2_alltoall"]
+WORLD2 = ["cp2_allgather", "cp2_alltoall", "documents", "documents_cp2_allgather", "documents_cp2_alltoall"]
 WORLD4 = ["fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
           "cp4_alltoall_contiguous"]
 EVAL_RTOL = 1e-6
@@ -53,10 +53,25 @@ def test_portable_attention_matches_unsharded_forward_and_backward(tmp_path, wor
         assert diffs["worst_all_ranks"] <= 1e-5, (case, diffs)
 
 
+CP_RUNS = [n for n in WORLD2 + WORLD4 if not n.startswith("documents")]
+
+
 @pytest.mark.parametrize("name", WORLD2 + WORLD4)
 def test_training_losses_match_single_process(cp_results, name):
-    reference = reference_losses(make_config({}), STEPS)
+    documents = name.startswith("documents")
+    reference = reference_losses(make_config({"data.document_masking": "true"} if documents else {}), STEPS)
     assert max_relative_difference(cp_results[name]["losses"], reference) <= 1e-5
+
+
+def test_document_masking_changes_the_losses(cp_results):
+    """Packed documents are really kept apart (not silently plain causal attention)."""
+    assert max_relative_difference(cp_results["documents_cp2_alltoall"]["losses"],
+                                   cp_results["cp2_alltoall"]["losses"]) > 1e-3
+
+
+@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+def test_batches_without_labels_take_the_same_cp_path(cp_results, name):
+    assert cp_results[name]["unlabeled_predictions_match"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +121,7 @@ def wrong_eval_losses(ref, fsdp: int, cp: int) -> dict:
             "per_shard_shift": torch.cat(shifted).mean().item()}
 
 
-@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+@pytest.mark.parametrize("name", CP_RUNS)
 def test_eval_loss_under_cp_equals_unsharded(cp_results, reference_eval, name):
     losses = reference_eval["token_losses"]
     truth = losses.sum() / losses.size
@@ -118,7 +133,7 @@ def test_eval_loss_under_cp_equals_unsharded(cp_results, reference_eval, name):
         assert abs(value - truth) / truth > 10 * EVAL_RTOL, f"this data would not reveal the {mistake} error"
 
 
-@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+@pytest.mark.parametrize("name", CP_RUNS)
 def test_gathered_predictions_are_the_unsharded_argmax_in_order(cp_results, reference_eval, name):
     predictions = np.array(cp_results[name]["first_predictions"])
     batch = reference_eval["batch"]

@@ -21,14 +21,16 @@ def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> 
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     data = build_token_data(config.data, config.model.vocab_size, t.batch_size)
-    batches = TrainBatches(data.train, t.batch_size, 1, config.seed)
+    documents_end_at = data.eos_token_id if config.data.document_masking else None
+    batches = TrainBatches(data.train, t.batch_size, 1, config.seed, documents_end_at)
     schedule = for_config(t)
     losses = []
     for step in range(steps):
         (batch,) = batches.micro_batches(step, 0, 1)
         input_ids = torch.from_numpy(batch.input_ids)
         labels = torch.from_numpy(batch.labels)
-        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        positions = None if batch.position_ids is None else torch.from_numpy(batch.position_ids)
+        logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         if t.max_grad_norm:

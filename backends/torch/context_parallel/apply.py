@@ -69,26 +69,31 @@ def apply_context_parallel(model, cp: CPGroup) -> None:
 
 
 @contextlib.contextmanager
-def sequence_shard(cp: CPGroup | None, input_ids: np.ndarray, labels: np.ndarray | None, device, segments=None):
-    """Yield this rank's (input_ids, labels, position_ids) tensors; forward *and* backward must run inside
-    (activation checkpointing recomputes attention during backward)."""
-    seq_len = input_ids.shape[1]
-    if cp is None:
-        yield _tensors(input_ids, labels, None, device)
+def sequence_shard(cp: CPGroup | None, batch, device):
+    """Yield this rank's (input_ids, labels, position_ids) tensors of `batch`; forward *and* backward must
+    run inside (activation checkpointing recomputes attention during backward). Packed documents
+    (batch.segment_ids) are honoured exactly by the portable attention."""
+    if cp is None:  # transformers builds the document mask itself from restarting position ids
+        yield _tensors(batch.input_ids, batch.labels, batch.position_ids, device)
         return
     if cp.impl == "torch":
-        with _torch_context_parallel(cp, input_ids, labels, device) as tensors:
+        if batch.segment_ids is not None:
+            raise ValueError("cp_impl=torch supports causal attention only, not packed-document masks")
+        with _torch_context_parallel(cp, batch.input_ids, batch.labels, device) as tensors:
             yield tensors
         return
+    seq_len = batch.input_ids.shape[1]
     index = [torch.from_numpy(shard_indices(seq_len, cp.cp_size, r, cp.load_balance)).to(device)
              for r in range(cp.cp_size)]
-    mine = index[cp.cp_rank].cpu().numpy()
-    local_segments = None if segments is None else torch.from_numpy(segments[:, mine]).to(device)
-    layout = ShardLayout(cp.group, cp.cp_rank, cp.cp_size, cp.rotate_method, tuple(index), local_segments)
+    mine = shard_indices(seq_len, cp.cp_size, cp.cp_rank, cp.load_balance)
+    segments = None if batch.segment_ids is None else torch.from_numpy(batch.segment_ids[:, mine]).to(device)
+    positions = np.broadcast_to(mine, (len(batch.input_ids), len(mine))) if batch.position_ids is None \
+        else batch.position_ids[:, mine]
+    layout = ShardLayout(cp.group, cp.cp_rank, cp.cp_size, cp.rotate_method, tuple(index), segments)
     token = _active_layout.set(layout)
     try:
-        yield _tensors(input_ids[:, mine], None if labels is None else labels[:, mine],
-                       np.broadcast_to(mine, (input_ids.shape[0], len(mine))), device)
+        yield _tensors(batch.input_ids[:, mine], None if batch.labels is None else batch.labels[:, mine],
+                       positions, device)
     finally:
         _active_layout.reset(token)
 
