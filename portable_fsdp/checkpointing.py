@@ -13,6 +13,7 @@ import os
 import pathlib
 import shutil
 
+from portable_fsdp import faults
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -54,20 +55,28 @@ def _fsync(path: pathlib.Path) -> None:
 def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pathlib.Path:
     """Rank 0 only, after every rank has finished writing into the staging directory."""
     staging = staging_dir(workdir, step)
-    files = sorted(p for p in staging.rglob("*") if p.is_file())
-    for path in files:
-        _fsync(path)
-    manifest = {**info, "step": step,
-                "files": {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync(staging / MANIFEST)
+    write_manifest(staging, {**info, "step": step})
+    faults.check("commit.manifest", 0, step)
     final = root(workdir) / f"step_{step:08d}"
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # this step is already saved and complete: keep it, never replace a valid one
+        shutil.rmtree(staging)
+        return final
     os.rename(staging, final)
+    _fsync(root(workdir))
+    faults.check("commit.renamed", 0, step)
     _point_latest(workdir, final.name)
     _prune(workdir, keep_last_n)
     return final
+
+
+def write_manifest(directory: pathlib.Path, info: dict) -> None:
+    """fsync every file, then write manifest.json (sizes and sha256 of each) last."""
+    files = sorted(p for p in pathlib.Path(directory).rglob("*") if p.is_file() and p.name != MANIFEST)
+    for path in files:
+        _fsync(path)
+    listing = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (pathlib.Path(directory) / MANIFEST).write_text(json.dumps({**info, "files": listing}, indent=1))
+    _fsync(pathlib.Path(directory) / MANIFEST)
 
 
 def _point_latest(workdir: pathlib.Path, name: str) -> None:
@@ -115,3 +124,34 @@ def latest(workdir: pathlib.Path) -> pathlib.Path | None:
 
 def read_manifest(path: pathlib.Path) -> dict:
     return json.loads((pathlib.Path(path) / MANIFEST).read_text())
+
+
+def verify(path: pathlib.Path) -> dict:
+    """Check every file the manifest lists (size and sha256) before anything is loaded; returns the manifest."""
+    path = pathlib.Path(path)
+    try:
+        manifest = read_manifest(path)
+    except (OSError, json.JSONDecodeError):
+        raise UserError("train.resume", f"{path / MANIFEST} is missing or unreadable; resume from another checkpoint") from None
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise UserError("train.resume", f"{file} is missing; the checkpoint is incomplete — resume from another one")
+        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+            raise UserError("train.resume", f"{file} does not match its checksum in {MANIFEST} (corrupt or "
+                            "truncated); resume from another checkpoint")
+    return manifest
+
+
+MODEL_FIELDS_THAT_SHAPE_WEIGHTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "init_from")
+
+
+def check_compatible(manifest: dict, config) -> None:
+    """A checkpoint loads under another plan or world size (that is resharding), not into another model."""
+    saved = manifest.get("config", {}).get("model", {})
+    differing = [f"model.{name} {saved[name]!r} -> {config.model[name]!r}"
+                 for name in MODEL_FIELDS_THAT_SHAPE_WEIGHTS if name in saved and saved[name] != config.model[name]]
+    if differing:
+        raise UserError("train.resume", (f"the checkpoint was written for another model ({'; '.join(differing)}); "
+                                         "use the model config it was trained with, or a new --workdir"))

@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.beta2 = 0.95
     c.train.eps = 1e-8
     c.train.max_grad_norm = 1.0  # 0 = no clipping
+    c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
     c.train.gradient_checkpointing = False  # the model's own; prefer plan.activation_checkpointing
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     c.train.progress_bar = True
@@ -97,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.plan.xla = False
     c.plan.xla_fsdp_settings = "{}"  # JSON object, passed to torch_xla by the xla backend
     c.plan.xla_fsdp_grad_ckpt = False
+    c.plan.xla_fsdp_v2 = True  # xla backend: SPMD FSDPv2 (one process per host); false = FSDP v1 (one per device)
     return c
 
 

@@ -13,3 +13,18 @@ class UserError(Exception):
 
     def line(self) -> str:
         return f"error: {self.field}: {self.message}"
+
+
+class TrainingDiverged(Exception):
+    """The loss or the gradients stopped being finite (train.nonfinite=stop)."""
+
+    exit_code = 3
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step = step
+        super().__init__(f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; training stopped "
+                         "before applying it, earlier checkpoints are kept. Lower train.lr, or set "
+                         "train.nonfinite=skip to skip such steps")
+
+    def line(self) -> str:
+        return f"error: {self}"

@@ -23,6 +23,7 @@ PLAN_KEYS = {
     "xla": "xla",
     "xla_fsdp_settings": "xla_fsdp_settings",
     "xla_fsdp_grad_ckpt": "xla_fsdp_grad_ckpt",
+    "xla_fsdp_v2": "xla_fsdp_v2",
 }
 # FSDP1 knobs that FSDP2 does by itself or has no use for: accepted so existing files load, with a warning.
 NO_OP_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",

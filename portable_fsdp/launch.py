@@ -11,7 +11,7 @@ import uuid
 
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.data.loader import build_token_data
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
 
@@ -32,11 +32,12 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path)
     info = backend.describe_model(config)
     plan.wrap_classes(info.no_split_modules, info.class_names)
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
-    prepare_workdir(workdir, config.train.resume)
+    prepare_workdir(workdir, config)
     return plan
 
 
-def prepare_workdir(workdir: pathlib.Path, resume: bool) -> None:
+def prepare_workdir(workdir: pathlib.Path, config) -> None:
+    resume = config.train.resume
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / f".write-test-{os.getpid()}"
@@ -47,10 +48,16 @@ def prepare_workdir(workdir: pathlib.Path, resume: bool) -> None:
     if not resume and (checkpointing.root(workdir) / "latest").exists():
         raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
                                       "continue from them, or choose a new --workdir"))
+    if resume and checkpointing.latest(workdir):
+        checkpointing.check_compatible(checkpointing.verify(checkpointing.latest(workdir)), config)
 
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
+    if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)
+        from portable_fsdp.backends.xla.launch import start as start_xla
+
+        return start_xla(config, spec, workdir, nproc, preflight)
     if under_torchrun():
         worker.main(spec)
         return 0
@@ -86,9 +93,11 @@ def _elastic_launch(spec: dict, nproc: int) -> int:
 def _report_failure(err) -> int:
     """Workers print their own `error:` line for user errors (exit 2); anything else is named here."""
     failures = err.failures
-    if all(f.exitcode == UserError.exit_code for f in failures.values()):
-        return UserError.exit_code
-    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode != UserError.exit_code), key=lambda x: x[0])
+    reported = (UserError.exit_code, TrainingDiverged.exit_code)  # the workers printed these themselves
+    codes = {f.exitcode for f in failures.values()}
+    if len(codes) == 1 and codes <= set(reported):
+        return codes.pop()
+    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode not in reported), key=lambda x: x[0])
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")

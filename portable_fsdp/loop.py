@@ -12,7 +12,7 @@ import pathlib
 import statistics
 import time
 
-from portable_fsdp import checkpointing
+from portable_fsdp import checkpointing, faults
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
@@ -63,28 +63,30 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     metrics_fn = resolve_metrics(t.compute_metrics)
     manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
-        path = checkpointing.latest(workdir)
-        state = backend.load_checkpoint(state, path, checkpointing.read_manifest(path))
+        state = _resume(backend, state, checkpointing.latest(workdir), config)
     start = state.step
     log = MetricsLog(workdir, is_main)
     progress = Progress(t.steps, start, is_main and t.progress_bar)
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
     peak = backend.peak_flops(state)
     clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
-    saved, evaluated, best, stop_reason = None, None, _Best(), None
+    saved, evaluated, best, stop_reason, skipped = None, None, _Best(), None, 0
     for step in range(start, t.steps):
         began = time.perf_counter()
         state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+        faults.check("step", where.rank, state.step)
         seconds = time.perf_counter() - began
         step_times.append(seconds)
         window.append((m["tokens"], seconds))
         first_loss = m["loss"] if first_loss is None else first_loss
+        skipped += bool(m.get("skipped"))
         last = m
         progress.update({"loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}"})
         done = state.step
         if done % t.log_every == 0 or done == t.steps:
             tokens_per_sec = sum(n for n, _ in window) / sum(s for _, s in window)
             log.write({"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                       "skipped_steps": skipped,
                        "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
                        "epoch": batches.epoch_of(done), **backend.memory_report(state)})
             window = []
@@ -105,8 +107,7 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     progress.close()
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
-        path = checkpointing.best(workdir)
-        state = backend.load_checkpoint(state, path, checkpointing.read_manifest(path))
+        state = _resume(backend, state, checkpointing.best(workdir), config)
     log.close()
     result = _summary(backend_name, where, start, end_step, clock.seconds(), step_times, first_loss, last,
                       evaluated, saved, model_flops, peak, config)
@@ -119,13 +120,22 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
     return result
 
 
+def _resume(backend, state, path: pathlib.Path, config):
+    manifest = checkpointing.verify(path)
+    checkpointing.check_compatible(manifest, config)
+    return backend.load_checkpoint(state, path, manifest)
+
+
 def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
          mark_best: bool = False) -> pathlib.Path:
     """Stage, write on every rank, then commit atomically on rank 0 (see portable_fsdp.checkpointing)."""
+    rank = backend.placement(state).rank
     if is_main:
         checkpointing.prepare_staging(workdir, state.step)
     backend.barrier(state)
+    faults.check("save.staged", rank, state.step)
     backend.save_checkpoint(state, checkpointing.staging_dir(workdir, state.step))
+    faults.check("save.written", rank, state.step)
     backend.barrier(state)
     final = checkpointing.root(workdir) / f"step_{state.step:08d}"
     if is_main:

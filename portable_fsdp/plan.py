@@ -93,6 +93,7 @@ class XlaSettings:
     xla: bool = False
     xla_fsdp_settings: dict = dataclasses.field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
+    xla_fsdp_v2: bool = True  # SPMD FSDPv2; False = XlaFullyShardedDataParallel (FSDP v1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ def plan_from_config(config) -> plan_lib.ShardingPlan:
         cp_rotate_method=p.cp_rotate_method,
         cp_impl=p.cp_impl,
         cp_load_balance=p.cp_load_balance,
-        xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt),
+        xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt, p.xla_fsdp_v2),
     )
     plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)
     return plan
@@ -60,6 +60,8 @@ def check_train_fields(config, data_parallel_size: int) -> None:
                  "peak_flops_per_device"):
         _positive(t[name], f"train.{name}", allow_zero=True)
     _positive(t.lr, "train.lr")
+    if t.nonfinite not in ("stop", "skip"):
+        raise UserError("train.nonfinite", f"unknown value {t.nonfinite!r}; choose stop or skip")
     _positive(t.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
     for name in ("early_stopping_patience", "load_best_model_at_end"):
         if t[name] and not t.eval_every:

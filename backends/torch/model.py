@@ -17,6 +17,10 @@ def hf_config(model_cfg):
 
     if model_cfg.init_from:
         directory = pathlib.Path(model_cfg.init_from)
+        if (directory / "sharded").is_dir() and not any(directory.glob("*.safetensors")):
+            raise UserError("model.init_from", (
+                f"{directory} is a SHARDED_STATE_DICT checkpoint, which loads only into FSDP (resume it with "
+                f"train.resume) — convert it first: python -m portable_fsdp.convert {directory} OUT_DIR"))
         if not (directory / "config.json").is_file():
             raise UserError("model.init_from", f"{directory} is not a local model directory (no config.json)")
         config = AutoConfig.from_pretrained(directory, local_files_only=True)

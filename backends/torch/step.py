@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from portable_fsdp import faults
 from portable_fsdp.backends.torch import distributed, model as model_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp.errors import TrainingDiverged
 from portable_fsdp.loop import Placement
 from portable_fsdp.model_info import ModelInfo
 from portable_fsdp.plan import ShardingPlan
@@ -117,17 +119,24 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         with sequence_shard(ctx.cp, batch, device) as (input_ids, labels, positions):
             batch_loss = token_loss_sum(model, input_ids, labels, positions)
+            if faults.poison_loss(ctx.runtime.rank, state.step + 1):
+                batch_loss = batch_loss * float("nan")
             (batch_loss * scale).backward()  # inside: checkpointed layers re-run CP attention in backward
         loss_sum += batch_loss.detach().double()
+    (total_loss,) = _all_reduce_sum([loss_sum.item()], device)
+    loss = total_loss / max(global_tokens, 1.0)
     grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)
     lr = ctx.schedule(state.step)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
-    state.optimizer.step()
+    # Every rank sees the same reduced loss and norm, so every rank takes the same decision.
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not finite and ctx.config.train.nonfinite == "stop":
+        raise TrainingDiverged(state.step + 1, loss, grad_norm)
+    if finite:
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    (total_loss,) = _all_reduce_sum([loss_sum.item()], device)
-    metrics = {"loss": total_loss / max(global_tokens, 1.0), "tokens": int(global_tokens),
-               "grad_norm": grad_norm, "lr": lr}
+    metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics
 
 

@@ -117,12 +117,41 @@ def test_prune_ignores_incomplete_dirs_and_staging_discards_stale_saves(tmp_path
     assert step_dirs(tmp_path) == ["step_00000001", "step_00000006"]
 
 
-def test_commit_same_step_again_replaces_it(tmp_path):
-    save(tmp_path, 5, {"a.bin": b"old", "stale.bin": b"s"})
+def test_commit_same_step_again_keeps_the_complete_one(tmp_path):
+    """A valid checkpoint is never deleted to make room for a second save of the same step."""
+    save(tmp_path, 5, {"a.bin": b"old", "more.bin": b"s"})
     final = save(tmp_path, 5, {"a.bin": b"new"})
-    assert (final / "a.bin").read_bytes() == b"new"
-    assert not (final / "stale.bin").exists()
-    assert set(ckpt.read_manifest(final)["files"]) == {"a.bin"}
+    assert (final / "a.bin").read_bytes() == b"old"
+    assert set(ckpt.read_manifest(final)["files"]) == {"a.bin", "more.bin"}
+    assert not ckpt.staging_dir(tmp_path, 5).exists()
+
+
+def test_verify_detects_truncation_missing_files_and_bad_manifests(tmp_path):
+    final = save(tmp_path, 7, {"model.safetensors": b"x" * 100, "optimizer.pt": b"y" * 10})
+    assert ckpt.verify(final)["step"] == 7
+    (final / "model.safetensors").write_bytes(b"x" * 50)
+    with user_error("train.resume", "does not match its checksum"):
+        ckpt.verify(final)
+    (final / "model.safetensors").write_bytes(b"z" * 100)  # same size, other bytes
+    with user_error("train.resume", "does not match its checksum"):
+        ckpt.verify(final)
+    (final / "optimizer.pt").unlink()
+    (final / "model.safetensors").write_bytes(b"x" * 100)
+    with user_error("train.resume", "is missing; the checkpoint is incomplete"):
+        ckpt.verify(final)
+    (final / "manifest.json").write_text("{not json")
+    with user_error("train.resume", "missing or unreadable"):
+        ckpt.verify(final)
+
+
+def test_check_compatible_refuses_another_model_shape():
+    from portable_fsdp.config import base_config
+
+    config = base_config()
+    manifest = {"config": {"model": {**config.model.to_dict(), "hidden_size": 256}}}
+    with user_error("train.resume", "model.hidden_size 256 -> 128"):
+        ckpt.check_compatible(manifest, config)
+    ckpt.check_compatible({"config": {"model": config.model.to_dict()}}, config)
 
 
 def test_latest_pointing_to_dir_without_manifest(tmp_path):

@@ -1,0 +1,45 @@
+"""SHARDED_STATE_DICT -> FULL_STATE_DICT offline: no process group, no GPU."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import tempfile
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from portable_fsdp import checkpointing
+from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.errors import UserError
+
+
+def sharded_to_full(source: pathlib.Path, target: pathlib.Path) -> None:
+    """Write `target` as a FULL checkpoint (loads with from_pretrained, resumes at any world size)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    if not (source / "sharded").is_dir():
+        raise UserError("source", f"{source} holds no sharded/ directory; is it a SHARDED_STATE_DICT checkpoint?")
+    if target.exists():
+        raise UserError("target", f"{target} exists; give a new directory (nothing is overwritten)")
+    manifest = checkpointing.verify(source)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(source / "sharded", pathlib.Path(scratch) / "full.pt")
+            bundle = torch.load(pathlib.Path(scratch) / "full.pt", weights_only=False)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
+        model.load_state_dict(full_state_dict_with_ties(model, dict(bundle["model"])), strict=True)
+        model.save_pretrained(staging, safe_serialization=True)
+        torch.save(bundle["optim"], staging / "optimizer.pt")
+        if (source / "rng").is_dir():
+            shutil.copytree(source / "rng", staging / "rng")
+        info = {k: v for k, v in manifest.items() if k != "files"}
+        info["state_dict_type"] = "FULL_STATE_DICT"
+        info["converted_from"] = str(source)
+        checkpointing.write_manifest(staging, json.loads(json.dumps(info)))
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

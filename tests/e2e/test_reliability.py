@@ -1,0 +1,126 @@
+"""Faults injected into real runs (PORTABLE_FSDP_FAULTS): kills during saves and steps, a rank that
+raises, NaN losses, corrupt checkpoints, and SHARDED -> FULL conversion / resharding on resume."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from portable_fsdp import checkpointing
+from tests.conftest import ROOT, TEST_RECIPE, cli, read_metrics
+
+BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.save_every=5"]
+
+
+def losses(workdir) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    proc = cli(BASE + ["--workdir", str(workdir)], cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(workdir)
+
+
+def run_with_fault(tmp_path, fault: str, *extra):
+    return cli(BASE + ["--workdir", str(tmp_path), *extra], cwd=tmp_path, env={"PORTABLE_FSDP_FAULTS": fault})
+
+
+@pytest.mark.parametrize("fault,latest_after", [
+    ("kill@save.staged:rank=0:step=10", 5),
+    ("kill@save.written:rank=1:step=10", 5),
+    ("kill@commit.manifest:rank=0:step=10", 5),
+    ("kill@commit.renamed:rank=0:step=10", 5),  # step_10 is complete, but `latest` was not moved yet
+])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, fault, latest_after):
+    proc = run_with_fault(tmp_path, fault)
+    assert proc.returncode != 0
+    latest = checkpointing.latest(tmp_path)
+    assert latest.name == f"step_{latest_after:08d}"
+    assert checkpointing.verify(latest)["step"] == latest_after
+
+
+def test_kill_9_mid_save_then_resume_is_bit_exact(tmp_path, straight):
+    assert run_with_fault(tmp_path, "kill@save.written:rank=0:step=10").returncode != 0
+    proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path) == straight  # steps 6-10 re-run from step 5 identically, then 11-20
+
+
+def test_kill_9_of_one_rank_mid_training_stops_all_and_names_it(tmp_path, straight):
+    began = time.monotonic()
+    proc = run_with_fault(tmp_path, "kill@step:rank=1:step=12")
+    assert time.monotonic() - began < 120
+    assert proc.returncode == 1
+    assert "error: worker rank 1 failed (exit code -9): killed by signal 9" in proc.stderr
+    proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path) == straight
+
+
+def test_a_rank_that_raises_stops_the_others_with_its_error(tmp_path):
+    began = time.monotonic()
+    proc = run_with_fault(tmp_path, "raise@step:rank=1:step=3")
+    assert time.monotonic() - began < 120
+    assert proc.returncode == 1
+    assert "error: worker rank 1 failed (exit code 1)" in proc.stderr
+    assert "injected fault at step (rank 1, step 3)" in proc.stderr
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
+    proc = run_with_fault(tmp_path, "nan@step:step=7")
+    assert proc.returncode == 3
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 7: the loss is nan")
+    assert checkpointing.latest(tmp_path).name == "step_00000005"
+
+
+def test_nan_loss_can_skip_the_step(tmp_path):
+    proc = run_with_fault(tmp_path, "nan@step:step=7", "--config.train.nonfinite=skip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert train[-1]["skipped_steps"] == 1 and train[-1]["step"] == 20
+
+
+def test_a_corrupt_checkpoint_is_refused_on_resume(tmp_path):
+    assert run_with_fault(tmp_path, "raise@step:rank=0:step=7").returncode == 1
+    weights = checkpointing.latest(tmp_path) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: train.resume: ")
+    assert "does not match its checksum" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_into_another_model_shape_is_refused(tmp_path):
+    assert run_with_fault(tmp_path, "raise@step:rank=0:step=7").returncode == 1
+    proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true", "--config.model.hidden_size=128"],
+               cwd=tmp_path)
+    assert proc.returncode == 2 and "model.hidden_size 64 -> 128" in proc.stderr
+
+
+def test_sharded_checkpoint_converts_resharding_and_loads_everywhere(tmp_path, straight):
+    sharded = BASE + ["--config.plan.state_dict_type=SHARDED_STATE_DICT"]
+    proc = cli(sharded + ["--workdir", str(tmp_path / "w"), "--config.train.stop_at_step=10"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source = checkpointing.latest(tmp_path / "w")
+    # Loading a SHARDED checkpoint outside FSDP is refused with the fix.
+    proc = cli(BASE + ["--workdir", str(tmp_path / "x"), f"--config.model.init_from={source}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "python -m portable_fsdp.convert" in proc.stderr
+    # Offline conversion, no process group.
+    conv = subprocess.run([sys.executable, "-m", "portable_fsdp.convert", str(source), str(tmp_path / "full")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "full", local_files_only=True)
+    assert checkpointing.verify(tmp_path / "full")["state_dict_type"] == "FULL_STATE_DICT"
+    # Resume the SHARDED checkpoint on 1 process (torch's distributed checkpoint reshards it).
+    proc = cli(sharded + ["--workdir", str(tmp_path / "w"), "--config.train.resume=true", "--nproc", "1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = losses(tmp_path / "w")
+    assert all(abs(resumed[s] - straight[s]) <= 1e-5 * straight[s] for s in range(1, 21))
