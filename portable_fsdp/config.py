@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.save_every = 0  # 0 = only at the end
     c.train.keep_last_n = 2
     c.train.resume = False
+    c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
     c.train.lr = 3e-3
     c.train.min_lr_ratio = 0.1

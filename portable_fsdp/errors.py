@@ -15,6 +15,20 @@ class UserError(Exception):
         return f"error: {self.field}: {self.message}"
 
 
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped the run (after saving a checkpoint when train.save_on_interrupt)."""
+
+    exit_code = 130
+
+    def __init__(self, signal_name: str, saved):
+        self.saved = saved
+        where = f"; checkpoint saved at {saved}, resume with --config.train.resume=true" if saved else ""
+        super().__init__(f"interrupted by {signal_name}{where}")
+
+    def line(self) -> str:
+        return f"error: {self}"
+
+
 class TrainingDiverged(Exception):
     """The loss or the gradients stopped being finite (train.nonfinite=stop)."""
 

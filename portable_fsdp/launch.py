@@ -11,7 +11,7 @@ import uuid
 
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.data.loader import build_token_data
-from portable_fsdp.errors import TrainingDiverged, UserError
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
 
@@ -77,6 +77,7 @@ def _free_port() -> int:
 
 
 def _elastic_launch(spec: dict, nproc: int) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -87,13 +88,16 @@ def _elastic_launch(spec: dict, nproc: int) -> int:
         elastic_launch(launch_config, worker.main)(spec)
     except ChildFailedError as err:
         return _report_failure(err)
+    except SignalException as err:  # the launcher was signalled; the agent has already stopped every worker
+        print(f"error: interrupted by {err.sigval.name}; workers stopped", file=sys.stderr)
+        return Interrupted.exit_code
     return 0
 
 
 def _report_failure(err) -> int:
     """Workers print their own `error:` line for user errors (exit 2); anything else is named here."""
     failures = err.failures
-    reported = (UserError.exit_code, TrainingDiverged.exit_code)  # the workers printed these themselves
+    reported = (UserError.exit_code, TrainingDiverged.exit_code, Interrupted.exit_code)  # printed by workers
     codes = {f.exitcode for f in failures.values()}
     if len(codes) == 1 and codes <= set(reported):
         return codes.pop()

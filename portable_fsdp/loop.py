@@ -1,8 +1,8 @@
 """The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
 
 A backend is a module with init / train_step / eval_step / count_label_tokens / predict_step /
-save_checkpoint / load_checkpoint / memory_report / placement / barrier / peak_flops / model_info /
-finalize; its state has a `.step`.
+save_checkpoint / load_checkpoint / memory_report / placement / barrier / any_rank / peak_flops /
+model_info / finalize; its state has a `.step`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import time
 
 from portable_fsdp import checkpointing, faults
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.errors import Interrupted
 from portable_fsdp.evaluation import evaluate, resolve_metrics
+from portable_fsdp.interrupts import InterruptFlag
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
 
 
@@ -44,13 +46,16 @@ class _Best:
 
 def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict:
     state = backend.init(config, plan, backend_name)
+    interrupt = InterruptFlag().install() if config.train.save_on_interrupt else None
     try:
-        return _train(config, plan, backend, backend_name, pathlib.Path(workdir), state)
+        return _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt)
     finally:
+        if interrupt:
+            interrupt.uninstall()
         backend.finalize(state)
 
 
-def _train(config, plan, backend, backend_name, workdir, state) -> dict:
+def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> dict:
     t = config.train
     where = backend.placement(state)
     is_main = where.rank == 0
@@ -99,9 +104,16 @@ def _train(config, plan, backend, backend_name, workdir, state) -> dict:
                 stop_reason = f"early stopping: no better eval_loss in {t.early_stopping_patience} evals"
         if done == t.stop_at_step:
             stop_reason = f"train.stop_at_step={done}"
+        # Ranks may see a signal at different steps: agree (one tiny collective) before acting on it.
+        interrupted = interrupt is not None and backend.any_rank(state, bool(interrupt.requested))
+        if interrupted:
+            stop_reason = "interrupted"
         due = (t.save_every and done % t.save_every == 0) or done == t.steps or stop_reason
         if due or (improved and t.load_best_model_at_end):
             saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main, mark_best=improved)
+        if interrupted:
+            progress.close()
+            raise Interrupted(interrupt.requested or "a signal on another rank", saved)
         if stop_reason:
             break
     progress.close()

@@ -8,7 +8,7 @@ import ml_collections
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from portable_fsdp import backends, loop
-from portable_fsdp.errors import TrainingDiverged, UserError
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
 
@@ -22,7 +22,7 @@ def main(spec: dict) -> dict:
     except UserError as err:
         print(f"{err.line()} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
-    except TrainingDiverged as err:  # every rank raises it at the same step; one message is enough
+    except (TrainingDiverged, Interrupted) as err:  # every rank raises it at the same step: one message
         if os.environ.get("RANK", "0") == "0":
             print(err.line(), file=sys.stderr, flush=True)
         sys.exit(err.exit_code)

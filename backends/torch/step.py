@@ -268,6 +268,13 @@ def barrier(state: TrainState) -> None:
     dist.barrier()
 
 
+def any_rank(state: TrainState, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    tensor = torch.tensor([int(flag)], device=state.ctx.runtime.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def peak_flops(state: TrainState) -> float:
     configured = state.ctx.config.train.peak_flops_per_device
     return configured or peak_flops_per_device(state.ctx.runtime.device)

@@ -124,3 +124,35 @@ def test_sharded_checkpoint_converts_resharding_and_loads_everywhere(tmp_path, s
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = losses(tmp_path / "w")
     assert all(abs(resumed[s] - straight[s]) <= 1e-5 * straight[s] for s in range(1, 21))
+
+
+@pytest.mark.parametrize("how", ["ctrl-c to the process group", "SIGTERM to the launcher"])
+def test_a_signal_saves_a_checkpoint_stops_every_worker_and_leaves_no_orphans(tmp_path, how):
+    import os
+    import signal
+
+    import psutil
+
+    args = [sys.executable, "-m", "portable_fsdp.run", *BASE, "--workdir", str(tmp_path),
+            "--config.train.steps=100000", "--config.train.save_every=0"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = tmp_path / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 2
+    if how.startswith("ctrl-c"):
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted by SIG" in stderr and "Traceback" not in stderr
+    latest = checkpointing.latest(tmp_path)
+    assert latest is not None and checkpointing.verify(latest)["step"] >= 3
+    time.sleep(1)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
