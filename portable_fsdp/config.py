@@ -72,6 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.max_grad_norm = 1.0  # 0 = no clipping
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
+    c.train.freeze = ""  # comma-separated regexes of parameter names to keep frozen (e.g. "embed_tokens")
     c.train.gradient_checkpointing = False  # the model's own; prefer plan.activation_checkpointing
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     c.train.progress_bar = True

@@ -71,6 +71,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         state = _resume(backend, state, checkpointing.latest(workdir), config)
     start = state.step
     log = MetricsLog(workdir, is_main)
+    log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     progress = Progress(t.steps, start, is_main and t.progress_bar)
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
     peak = backend.peak_flops(state)

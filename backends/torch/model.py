@@ -66,6 +66,20 @@ def create_model(config, rank: int, rank0_only: bool):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
+def freeze_parameters(model, patterns: str) -> None:
+    """Set requires_grad=False on parameters whose name matches any of the comma-separated regexes."""
+    import re
+
+    regexes = [re.compile(p.strip()) for p in patterns.split(",") if p.strip()]
+    names = [name for name, _ in model.named_parameters()]
+    for regex in regexes:
+        if not any(regex.search(name) for name in names):
+            raise UserError("train.freeze", f"{regex.pattern!r} matches no parameter; names look like {', '.join(names[:3])}")
+    for name, param in model.named_parameters():
+        if any(regex.search(name) for regex in regexes):
+            param.requires_grad_(False)
+
+
 def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
     """After `fully_shard` of a meta-device model: allocate the shards and scatter rank 0's weights.
     Rank 0 keeps its real model (to_empty there would also wipe the buffers it is about to send)."""

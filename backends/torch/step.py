@@ -73,6 +73,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     rank0_only = plan.cpu_ram_efficient_loading
     model = model_lib.create_model(config, runtime.rank, rank0_only)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
+    model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cp is not None:

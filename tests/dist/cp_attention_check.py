@@ -12,8 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from portable_fsdp.backends.torch.context_parallel import attention
 from portable_fsdp.backends.torch.context_parallel.attention import ShardLayout, allgather_attention, ring_attention
 from portable_fsdp.sequence_split import shard_indices
+
+
+DEFAULT_CHUNK = attention.CHUNK_ELEMENTS
 
 
 def reference(q, k, v, segments, scale):
@@ -62,8 +66,12 @@ def check(method: str, load_balance: bool, documents: bool, group) -> dict:
 def main():
     dist.init_process_group("gloo")
     results = {}
-    for method, balance, documents in itertools.product(("allgather", "alltoall"), (True, False), (False, True)):
-        name = f"{method}-{'balanced' if balance else 'contiguous'}-{'documents' if documents else 'causal'}"
+    for method, balance, documents, chunked in itertools.product(("allgather", "alltoall"), (True, False),
+                                                                 (False, True), (False, True)):
+        # chunked: a tiny chunk budget, so query rows are processed one or two at a time
+        attention.CHUNK_ELEMENTS = 64 if chunked else DEFAULT_CHUNK
+        name = (f"{method}-{'balanced' if balance else 'contiguous'}-{'documents' if documents else 'causal'}"
+                f"{'-chunked' if chunked else ''}")
         results[name] = check(method, balance, documents, dist.group.WORLD)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:

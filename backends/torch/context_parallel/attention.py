@@ -2,9 +2,11 @@
 
 Inputs are the local shards: q [b, h, Lc, d], k/v [b, hkv, Lc, d], plus the global token index of every
 local position (and optional document ids), so the causal/document mask is exact whatever the split.
-- allgather: K/V gathered over the cp group (autograd: reduce-scatter of their gradients), one SDPA call.
+- allgather: K/V gathered over the cp group (autograd: reduce-scatter of their gradients).
 - ring ("alltoall"): K/V blocks travel round the group; partial results merge with the online softmax,
   statistics in fp32; backward passes the blocks round again with their dK/dV accumulators.
+Both compute in fp32, query rows in chunks, and keep only q/k/v/out/log-sum-exp for backward
+(probabilities are recomputed), so memory grows with chunk x sequence, not sequence^2.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from portable_fsdp.backends.torch.context_parallel.collectives import Exchange, gather_sequence, gather_sequence_no_grad
+
+
+CHUNK_ELEMENTS = 1 << 24  # fp32 scores of one query chunk: 64 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,22 +50,46 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def allgather_attention(q, k, v, layout: ShardLayout, scale: float) -> torch.Tensor:
-    k_all = gather_sequence(k, layout.group)
-    v_all = gather_sequence(v, layout.group)
-    kv_index = torch.cat(layout.index_of_rank)
-    kv_segments = None
-    if layout.segments is not None:
-        kv_segments = gather_sequence_no_grad(layout.segments, layout.group, dim=1)
-    mask = block_mask(layout.q_index, kv_index, layout.segments, kv_segments)
-    n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, _repeat_kv(k_all, n_rep), _repeat_kv(v_all, n_rep),
-                                          attn_mask=mask, scale=scale)
+def _row_chunks(q_len: int, kv_len: int, heads: int) -> list:
+    """Query rows per chunk so one chunk's scores stay near CHUNK_ELEMENTS floats (memory ~ O(rows x L))."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, heads * kv_len))
+    return [slice(start, min(start + rows, q_len)) for start in range(0, q_len, rows)]
 
 
-def _block_scores(q32, k, mask, scale, n_rep):
-    scores = q32 @ _repeat_kv(k.float(), n_rep).transpose(-1, -2) * scale
-    return scores.masked_fill(~mask, float("-inf"))
+def _segment_rows(segments, rows):
+    return None if segments is None else segments[:, rows]
+
+
+def _attend_block(q32, k, v, q_index, kv_index, q_segments, kv_segments, scale):
+    """Softmax attention of every query over one K/V block: (out [b,h,Lq,d] fp32, lse [b,h,Lq] fp32)."""
+    n_rep = q32.shape[1] // k.shape[1]
+    k32, v32 = _repeat_kv(k.float(), n_rep), _repeat_kv(v.float(), n_rep)
+    outs, lses = [], []
+    for rows in _row_chunks(q32.shape[2], k.shape[2], q32.shape[1]):
+        mask = block_mask(q_index[rows], kv_index, _segment_rows(q_segments, rows), kv_segments)
+        scores = (q32[:, :, rows] @ k32.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.exp(scores - _finite(lse)[..., None]) @ v32)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_grads(q32, dout, delta, lse, k, v, q_index, kv_index, q_segments, kv_segments, scale):
+    """Gradients of one K/V block's share of the attention, recomputing probabilities chunk by chunk."""
+    n_rep = q32.shape[1] // k.shape[1]
+    k32, v32 = _repeat_kv(k.float(), n_rep), _repeat_kv(v.float(), n_rep)
+    dq = torch.zeros_like(q32)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    for rows in _row_chunks(q32.shape[2], k.shape[2], q32.shape[1]):
+        mask = block_mask(q_index[rows], kv_index, _segment_rows(q_segments, rows), kv_segments)
+        scores = (q32[:, :, rows] @ k32.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        p = torch.exp(scores - lse[:, :, rows, None])
+        dv += p.transpose(-1, -2) @ dout[:, :, rows]
+        ds = p * (dout[:, :, rows] @ v32.transpose(-1, -2) - delta[:, :, rows])
+        dq[:, :, rows] = ds @ k32 * scale
+        dk += ds.transpose(-1, -2) @ q32[:, :, rows] * scale
+    fold = (k.shape[0], k.shape[1], n_rep, *k.shape[2:])  # sum the grouped query heads back onto kv heads
+    return dq, dk.view(fold).sum(2), dv.view(fold).sum(2)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +102,39 @@ def _weight(part_lse, total_lse) -> torch.Tensor:
     return torch.where(torch.isfinite(part_lse), torch.exp(part_lse - total_lse), 0.0)[..., None]
 
 
+class _GatheredAttention(torch.autograd.Function):
+    """Attention over the gathered K/V, saving only q/k/v/out/lse (probabilities are recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, layout: ShardLayout, kv_segments, scale: float):
+        kv_index = torch.cat(layout.index_of_rank)
+        out, lse = _attend_block(q.float(), k_all, v_all, layout.q_index, kv_index, layout.segments, kv_segments, scale)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.layout, ctx.kv_segments, ctx.scale, ctx.kv_index = layout, kv_segments, scale, kv_index
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        dout = grad_out.float()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq, dk, dv = _block_grads(q.float(), dout, delta, lse, k_all, v_all, ctx.layout.q_index, ctx.kv_index,
+                                  ctx.layout.segments, ctx.kv_segments, ctx.scale)
+        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None
+
+
+def allgather_attention(q, k, v, layout: ShardLayout, scale: float) -> torch.Tensor:
+    k_all = gather_sequence(k, layout.group)
+    v_all = gather_sequence(v, layout.group)
+    kv_segments = None
+    if layout.segments is not None:
+        kv_segments = gather_sequence_no_grad(layout.segments, layout.group, dim=1)
+    return _GatheredAttention.apply(q, k_all, v_all, layout, kv_segments, scale)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: ShardLayout, scale: float):
-        n_rep = q.shape[1] // k.shape[1]
         ring = _Ring(layout)
         q32 = q.float()
         out = torch.zeros_like(q32)
@@ -86,10 +143,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(layout.cp_size):
             pending = ring.pass_on(block) if step < layout.cp_size - 1 else None
             kv, segments = block[0], (block[1] if len(block) > 1 else None)
-            mask = ring.mask(step, segments)
-            scores = _block_scores(q32, kv[0], mask, scale, n_rep)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            block_out = torch.exp(scores - _finite(block_lse)[..., None]) @ _repeat_kv(kv[1].float(), n_rep)
+            block_out, block_lse = _attend_block(q32, kv[0], kv[1], layout.q_index, ring.index(step),
+                                                 layout.segments, segments, scale)
             new_lse = torch.logaddexp(lse, block_lse)
             out = out * _weight(lse, new_lse) + block_out * _weight(block_lse, new_lse)
             lse = new_lse
@@ -103,7 +158,6 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
-        n_rep = q.shape[1] // k.shape[1]
         ring = _Ring(layout)
         q32, dout = q.float(), grad_out.float()
         delta = (dout * out).sum(-1, keepdim=True)  # D_i = Σ_d dO·O
@@ -114,15 +168,10 @@ class _RingAttention(torch.autograd.Function):
         block += [layout.segments] if has_segments else []
         for step in range(layout.cp_size):
             kv, grads = block[0], block[1]
-            mask = ring.mask(step, block[2] if has_segments else None)
-            scores = _block_scores(q32, kv[0], mask, scale, n_rep)
-            p = torch.exp(scores - lse[..., None])
-            dv = p.transpose(-1, -2) @ dout
-            ds = p * (dout @ _repeat_kv(kv[1].float(), n_rep).transpose(-1, -2) - delta)
-            dq += ds @ _repeat_kv(kv[0].float(), n_rep) * scale
-            dk = ds.transpose(-1, -2) @ q32 * scale
-            fold = (k.shape[0], k.shape[1], n_rep, *k.shape[2:])
-            grads = grads + torch.stack([dk.view(fold).sum(2), dv.view(fold).sum(2)])
+            block_dq, dk, dv = _block_grads(q32, dout, delta, lse, kv[0], kv[1], layout.q_index, ring.index(step),
+                                            layout.segments, block[2] if has_segments else None, scale)
+            dq += block_dq
+            grads = grads + torch.stack([dk, dv])
             # After cp passes every block, with its complete dK/dV, is back with its owner.
             block = ring.pass_on([kv, grads] + block[2:]).wait()
         return dq.to(q.dtype), block[1][0].to(k.dtype), block[1][1].to(v.dtype), None, None
@@ -140,9 +189,9 @@ class _Ring:
     def pass_on(self, tensors: list) -> Exchange:
         return Exchange(tensors, self.layout.group, self.send_to, self.recv_from)
 
-    def mask(self, step: int, kv_segments) -> torch.Tensor:
-        source = (self.layout.cp_rank - step) % self.layout.cp_size
-        return block_mask(self.layout.q_index, self.layout.index_of_rank[source], self.layout.segments, kv_segments)
+    def index(self, step: int) -> torch.Tensor:
+        """Global token positions of the block held at `step` (it started on rank cp_rank - step)."""
+        return self.layout.index_of_rank[(self.layout.cp_rank - step) % self.layout.cp_size]
 
 
 def ring_attention(q, k, v, layout: ShardLayout, scale: float) -> torch.Tensor:
