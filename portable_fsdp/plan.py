@@ -30,9 +30,9 @@ CP_IMPLS = ("auto", "torch", "portable")
 
 # Mesh axes a backend cannot honour yet, and the product issue each waits for.
 UNBUILT_AXES = {
-    "tp_size": "tensor parallelism (not on the roadmap yet)",
-    "ep_size": "expert parallelism for MoE models (not on the roadmap yet)",
-    "sp_size": "Ulysses sequence parallelism (not on the roadmap yet)",
+    "tp_size": "tensor parallelism",
+    "ep_size": "expert parallelism for MoE models",
+    "sp_size": "Ulysses sequence parallelism",
 }
 
 
@@ -121,7 +121,7 @@ class ShardingPlan:
                 f"parallelism (sp_size={self.mesh.sp_size}) are alternatives; set one of them to 1"))
         if self.activation_checkpointing and model_gradient_checkpointing:
             raise UserError("plan.activation_checkpointing", (
-                "and train.gradient_checkpointing are both on; they recompute the same activations "
+                "is on together with train.gradient_checkpointing; they recompute the same activations "
                 "twice: keep plan.activation_checkpointing and set train.gradient_checkpointing=false"))
         if self.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP and self.min_num_params <= 0:
             raise UserError("plan.min_num_params", (
@@ -151,7 +151,8 @@ class ShardingPlan:
         for name, size in self.mesh.other_axes().items():
             if size > 1 and name in UNBUILT_AXES:
                 raise UserError(f"plan.{name}", (
-                    f"= {size} needs {UNBUILT_AXES[name]}, which is not built yet; set plan.{name}=1"))
+                    f"{size} needs {UNBUILT_AXES[name]}, which is not built yet (no product issue covers it so "
+                    f"far); set plan.{name}=1"))
 
     def wrap_classes(self, model_no_split: Sequence[str], model_classes: Sequence[str]) -> tuple:
         """The layer classes to wrap: the plan's, or the model's own `_no_split_modules` when empty."""
