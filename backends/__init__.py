@@ -10,7 +10,7 @@ BACKENDS = {
     "cpu": ("portable_fsdp.backends.torch", None),
     "cuda": ("portable_fsdp.backends.torch", None),
     "xla": (None, "the torch_xla lowering (issue 'The torch_xla lowering: --backend xla')"),
-    "flax": (None, "the Flax reference path (issue 'The Flax reference path')"),
+    "flax": ("portable_fsdp.backends.flax", None),
 }
 CHOICES = ("auto", *BACKENDS)
 

@@ -54,10 +54,8 @@ def prepare_workdir(workdir: pathlib.Path, config) -> None:
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
-    if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)
-        from portable_fsdp.backends.xla.launch import start as start_xla
-
-        return start_xla(config, spec, workdir, nproc, preflight)
+    if backend_name == "flax":
+        return _start_jax(config, spec, workdir, nproc)
     if under_torchrun():
         worker.main(spec)
         return 0
@@ -68,6 +66,20 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
         worker.main(spec)
         return 0
     return _elastic_launch(spec, nproc)
+
+
+def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> int:
+    """JAX: one process drives `nproc` devices (host CPU devices unless JAX_PLATFORMS names others), so no
+    launcher; the plan's world size is the device count. Host devices are set up before jax is imported."""
+    if under_torchrun():
+        raise UserError("--backend", "flax runs as one process driving every device; start it without torchrun")
+    preflight(config, "flax", nproc, workdir)
+    from portable_fsdp.backends.flax.devices import configure_host_devices
+
+    configure_host_devices(nproc)
+    os.environ.update(RANK="0", WORLD_SIZE=str(nproc))
+    worker.main(spec)
+    return 0
 
 
 def _free_port() -> int:

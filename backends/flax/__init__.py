@@ -1,0 +1,35 @@
+"""The Flax/JAX lowering (`--backend flax`): the same Llama in flax.nnx, the plan as JAX shardings.
+
+The functional surface the neutral loop drives (see portable_fsdp/loop.py). Nothing here imports
+jax until one of these functions is first used: the launcher loads this package, then sets up the
+host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
+
+Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx),
+convert (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
+programs (the jitted update, eval and predict), step (init / train_step / ...), checkpoint, devices,
+resources (memory and matmul rate for the metrics).
+"""
+import importlib
+import os
+
+# The weights come from transformers (torch): keep it from probing torch_xla or reaching a hub.
+os.environ.setdefault("USE_TORCH_XLA", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+_DEFINED_IN = {
+    "describe_model": "architecture",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "memory_report": "resources",
+    "peak_flops": "resources",
+    **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
+                     "barrier", "any_rank", "model_info", "finalize"), "step"),
+}
+__all__ = list(_DEFINED_IN)
+
+
+def __getattr__(name: str):
+    if name not in _DEFINED_IN:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_DEFINED_IN[name]}"), name)

@@ -1,0 +1,34 @@
+"""The JAX devices of a single-process run.
+
+XLA reads its platform and host-device count once, when jax is first imported, so the launcher calls
+`configure_host_devices` before anything imports jax: one process then drives N CPU devices, the
+stand-in for N accelerators. A JAX_PLATFORMS the user already set (e.g. cuda, tpu) is respected.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from portable_fsdp.errors import UserError
+
+HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def configure_host_devices(count: int) -> None:
+    if "jax" in sys.modules:
+        return  # too late to change anything; `take` checks that enough devices exist
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICE_COUNT_FLAG)]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"])
+
+
+def take(count: int) -> list:
+    """The first `count` devices (a test process may hold more than one run uses)."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < count:
+        raise UserError("--nproc", (
+            f"the plan needs {count} JAX devices but this process has {len(devices)} "
+            f"({devices[0].platform}); jax was initialised before the host devices could be set up"))
+    return devices[:count]

@@ -1,0 +1,192 @@
+"""A flax.nnx Llama that computes what transformers' LlamaForCausalLM computes.
+
+Module and parameter names mirror the Hugging Face ones (`model.layers.0.self_attn.q_proj`), so weight
+conversion is a renaming plus a transpose of each linear kernel (flax keeps [in, out]). Dtypes follow
+the parameters: cast the parameters to the compute dtype and the whole forward runs in it, as under
+torch's FSDP2 MixedPrecisionPolicy; RMSNorm variance and softmax statistics stay in float32.
+
+Parameters travel as a flat dict {"model.layers.0.self_attn.q_proj.kernel": array}; `ModelDef.apply`
+binds such a dict to the module graph inside a traced function.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from portable_fsdp.backends.flax.architecture import LlamaArchitecture
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((size,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        h = x.astype(jnp.float32)
+        variance = jnp.mean(h * h, axis=-1, keepdims=True)
+        h = h * jax.lax.rsqrt(variance + self.eps)
+        return self.weight[...] * h.astype(dtype)
+
+
+def rotary_cos_sin(arch: LlamaArchitecture, positions, dtype):
+    """cos, sin of shape [b, s, 1, head_dim] (one head axis to broadcast over)."""
+    inv_freq = jnp.asarray(arch.inv_freq, dtype=jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(angles) * arch.rope_attention_scaling
+    sin = jnp.sin(angles) * arch.rope_attention_scaling
+    return cos.astype(dtype)[:, :, None, :], sin.astype(dtype)[:, :, None, :]
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def attention_mask(positions):
+    """Causal, and within one packed document: a document starts wherever the position does not follow
+    the previous one (transformers' rule for packed rows without an attention mask). [b, 1, 1, q, k]."""
+    first = positions[:, :1] - 1
+    starts = jnp.diff(positions, axis=-1, prepend=first) != 1
+    documents = jnp.cumsum(starts, axis=-1)
+    seq = positions.shape[1]
+    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+    same_document = documents[:, :, None] == documents[:, None, :]
+    return (causal[None] & same_document)[:, None, None]
+
+
+def grouped_attention(q, k, v, mask, scale: float):
+    """q [b, s, heads, d], k/v [b, s, kv_heads, d]; query head h reads kv head h // groups (repeat_kv)."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, s, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(v.dtype).reshape(b, s, heads * d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
+        def linear(n_in, n_out):
+            return nnx.Linear(n_in, n_out, use_bias=arch.attention_bias, rngs=rngs)
+
+        self.q_proj = linear(arch.hidden_size, arch.num_heads * arch.head_dim)
+        self.k_proj = linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim)
+        self.v_proj = linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim)
+        self.o_proj = linear(arch.num_heads * arch.head_dim, arch.hidden_size)
+        self.head_dim = arch.head_dim
+
+    def __call__(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, -1, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, -1, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, -1, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return self.o_proj(grouped_attention(q, k, v, mask, self.head_dim**-0.5))
+
+
+class MLP(nnx.Module):
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
+        self.gate_proj = nnx.Linear(arch.hidden_size, arch.intermediate_size, use_bias=arch.mlp_bias, rngs=rngs)
+        self.up_proj = nnx.Linear(arch.hidden_size, arch.intermediate_size, use_bias=arch.mlp_bias, rngs=rngs)
+        self.down_proj = nnx.Linear(arch.intermediate_size, arch.hidden_size, use_bias=arch.mlp_bias, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
+        self.self_attn = Attention(arch, rngs)
+        self.mlp = MLP(arch, rngs)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
+    return layer(x, cos, sin, mask)
+
+
+# Activation checkpointing: each layer's activations are recomputed in backward instead of stored.
+_run_layer_rematerialized = nnx.remat(_run_layer)
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs, remat: bool = False):
+        self.embed_tokens = nnx.Embed(arch.vocab_size, arch.hidden_size, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(arch, rngs) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.arch = arch
+        self.remat = remat
+
+    def __call__(self, input_ids, positions, constrain: Callable = lambda h: h):
+        h = constrain(self.embed_tokens(input_ids))
+        cos, sin = rotary_cos_sin(self.arch, positions, h.dtype)
+        mask = attention_mask(positions)
+        run = _run_layer_rematerialized if self.remat else _run_layer
+        for layer in self.layers:
+            h = constrain(run(layer, h, cos, sin, mask))
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs, remat: bool = False):
+        self.model = LlamaModel(arch, rngs, remat)
+        self.lm_head = None if arch.tie_word_embeddings else nnx.Linear(
+            arch.hidden_size, arch.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, input_ids, positions, constrain: Callable = lambda h: h):
+        h = self.model(input_ids, positions, constrain)
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h)
+        return self.lm_head(h)
+
+
+def dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def _path(name: str) -> tuple:
+    """The inverse of `dotted`: list indices are ints in nnx paths."""
+    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The module graph without values, and how to bind a flat parameter dict to it."""
+
+    arch: LlamaArchitecture
+    graphdef: object
+    variables: dict  # dotted name -> abstract nnx.Variable (shape, dtype and kind, no value)
+
+    @property
+    def shapes(self) -> dict:
+        return {name: var.get_value() for name, var in self.variables.items()}
+
+    def bind(self, params: dict) -> LlamaForCausalLM:
+        state = nnx.from_flat_state({_path(name): var.replace(params[name]) for name, var in self.variables.items()})
+        return nnx.merge(self.graphdef, state)
+
+    def apply(self, params: dict, input_ids, positions, constrain: Callable = lambda h: h):
+        """Logits [b, s, vocab] in the parameters' dtype."""
+        return self.bind(params)(input_ids, positions, constrain)
+
+
+def define(arch: LlamaArchitecture, remat: bool = False) -> ModelDef:
+    """No weights are drawn here (abstract evaluation); they come from the torch model, converted."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(arch, nnx.Rngs(0), remat))
+    graphdef, state = nnx.split(abstract)
+    variables = {dotted(path): var for path, var in nnx.to_flat_state(state)}
+    return ModelDef(arch, graphdef, variables)

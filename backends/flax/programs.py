@@ -1,0 +1,85 @@
+"""The jitted programs a run executes: the training update, the eval loss sum, the predictions.
+
+Each is compiled once per batch shape with explicit shardings: parameters and optimizer state as
+the plan places them (sharding.py), batches split by rows over the data axes and along the sequence
+over cp. Parameters are cast to the compute dtype inside the program (mixed precision: float32
+masters, gradients flow back to them through the cast).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from portable_fsdp.backends.flax import optimizer as optimizer_lib, sharding
+from portable_fsdp.backends.flax.model import ModelDef
+from portable_fsdp.data.loader import IGNORE_INDEX
+
+
+def token_loss_sum(logits, labels):
+    """Σ cross-entropy over label tokens (IGNORE_INDEX excluded), in float32."""
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE_INDEX
+    # A one-hot product rather than take_along_axis: exact all the same (one term is non-zero), and its
+    # gradient is elementwise where a gather's is a scatter, which XLA cannot partition along rows and cp.
+    picked = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jnp.sum(jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    # (params, opt_state, input_ids, labels, positions [A, b, s], label_tokens, lr) -> (params, opt_state, metrics)
+    train: Callable
+    eval_loss_sum: Callable  # (params, input_ids, labels, positions [b, s]) -> Σ token losses
+    predict: Callable  # (params, input_ids, positions, return_logits) -> {"predictions"[, "logits"]}
+
+
+def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
+          opt_sharding, compute_dtype) -> Programs:
+    rows = sharding.activation_sharding(mesh)
+
+    def logits_of(params, input_ids, positions):
+        compute = {name: p.astype(compute_dtype) for name, p in params.items()}
+        return model_def.apply(compute, input_ids, positions, lambda h: jax.lax.with_sharding_constraint(h, rows))
+
+    def loss_sum(params, input_ids, labels, positions):
+        return token_loss_sum(logits_of(params, input_ids, positions), labels)
+
+    def train(params, opt_state, input_ids, labels, positions, label_tokens, lr):
+        def scaled_loss(p, micro):
+            total = loss_sum(p, *micro)
+            return total / label_tokens, total  # torch scales each micro-batch's backward the same way
+
+        def accumulate(grad_sum, micro):
+            grads, total = jax.grad(scaled_loss, has_aux=True)(params, micro)
+            grads = jax.lax.with_sharding_constraint(grads, param_sharding)  # reduce-scattered, as FSDP
+            return jax.tree.map(jnp.add, grad_sum, grads), total
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, totals = jax.lax.scan(accumulate, zeros, (input_ids, labels, positions))
+        loss_total, grad_norm = totals.sum(), optax.tree.norm(grads)
+        updates, new_opt_state = optimizer.update(grads, optimizer_lib.with_learning_rate(opt_state, lr), params)
+        # A NaN/inf loss or gradient leaves parameters and AdamW's state as they were (torch skips
+        # optimizer.step); the host then stops or skips the step as train.nonfinite says.
+        finite = jnp.isfinite(loss_total) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+        return params, opt_state, {"loss_sum": loss_total, "grad_norm": grad_norm, "finite": finite}
+
+    def predict(params, input_ids, positions, return_logits):
+        logits = logits_of(params, input_ids, positions).astype(jnp.float32)
+        out = {"predictions": jnp.argmax(logits, axis=-1)}
+        if return_logits:
+            out["logits"] = logits
+        return out
+
+    one = sharding.replicated(mesh)
+    stacked, flat = sharding.batch_sharding(mesh, leading_axes=1), sharding.batch_sharding(mesh)
+    return Programs(
+        train=jax.jit(train, in_shardings=(param_sharding, opt_sharding, stacked, stacked, stacked, one, one),
+                      out_shardings=(param_sharding, opt_sharding, one), donate_argnums=(0, 1)),
+        eval_loss_sum=jax.jit(loss_sum, in_shardings=(param_sharding, flat, flat, flat), out_shardings=one),
+        predict=jax.jit(predict, static_argnums=3))

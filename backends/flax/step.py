@@ -1,0 +1,174 @@
+"""The functional surface of the Flax lowering that the neutral loop drives (protocol: portable_fsdp/loop.py).
+
+One process drives every device of the mesh, so it reads the whole global batch (placement: dp_size 1)
+and the jitted programs split it over the devices: rows over fsdp, the sequence over cp. The initial
+weights are the torch backends' (the same seeded transformers model, converted). Losses are
+Σ token losses / Σ label tokens of the whole accumulated batch, counted on the host before any split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, model as model_lib,
+                                         optimizer as optimizer_lib, programs as programs_lib, sharding)
+from portable_fsdp.data.loader import Batch
+from portable_fsdp.errors import TrainingDiverged, UserError
+from portable_fsdp.loop import Placement
+from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.plan import ShardingPlan, StateDictType
+from portable_fsdp.schedule import for_config as schedule_for
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a step needs besides the parameters and optimizer state."""
+
+    config: object
+    plan: ShardingPlan
+    info: ModelInfo
+    hf_config: object  # the transformers config, written into FULL checkpoints
+    torch_names: tuple  # the torch state-dict order, for checkpoints in torch's layout
+    model_def: model_lib.ModelDef
+    mesh: object
+    param_sharding: dict
+    opt_sharding: object
+    programs: programs_lib.Programs
+    schedule: object
+
+
+@dataclasses.dataclass
+class TrainState:
+    params: dict  # flax name -> jax.Array, sharded as the plan says
+    opt_state: object
+    step: int
+    ctx: Context
+
+
+def check_lowerable(plan: ShardingPlan, platform: str) -> None:
+    """Refuse the plan fields this lowering does not build yet, instead of ignoring them."""
+    if plan.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        raise UserError("plan.state_dict_type", (
+            "SHARDED_STATE_DICT is not built in the flax backend yet; use FULL_STATE_DICT (a directory "
+            "every backend and from_pretrained load)"))
+    if plan.cpu_offload and platform != "cpu":
+        raise UserError("plan.cpu_offload", f"is not built in the flax backend on {platform}; set it to false")
+    # On CPU devices everything already lives in host memory: cpu_offload holds by construction.
+    # These have no JAX knob (XLA schedules the gathers and the K/V movement): say so, don't ignore silently.
+    no_effect = [name for name, value, default in (
+        ("plan.reshard_after_forward", plan.reshard_after_forward, True),
+        ("plan.auto_wrap_policy", plan.auto_wrap_policy.value, "TRANSFORMER_BASED_WRAP"),
+        ("plan.cp_rotate_method", plan.cp_rotate_method, "allgather"),
+        ("plan.cp_impl", plan.cp_impl, "auto"),
+        ("plan.cp_load_balance", plan.cp_load_balance, True)) if value != default]
+    if no_effect:
+        warnings.warn(f"{', '.join(no_effect)}: no effect on --backend flax (XLA decides how the sharded "
+                      "computation is scheduled)", stacklevel=2)
+
+
+def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
+    devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
+    check_lowerable(plan, devices[0].platform)
+    remat = plan.activation_checkpointing or config.train.gradient_checkpointing
+    model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
+    mesh = sharding.build_mesh(plan.mesh, devices)
+    param_sharding = sharding.param_shardings(model_def.shapes, mesh)
+    params = place(host_params, param_sharding)
+    optimizer = optimizer_lib.build(config.train)
+    opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+    compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
+    programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype)
+    ctx = Context(config, plan, architecture.describe_model(config), hf_config, torch_names, model_def, mesh,
+                  param_sharding, opt_sharding, programs, schedule_for(config.train))
+    return TrainState(params, opt_state, 0, ctx)
+
+
+def initial_weights(config, remat: bool) -> tuple:
+    """The torch backends' initial model — seeded random init, or model.init_from — converted, so both
+    backends start from one set of weights. (model_def, {flax name: numpy}, hf config, torch names)."""
+    from portable_fsdp.backends.torch.model import create_model
+
+    hf_model = create_model(config, rank=0, rank0_only=False)
+    arch = architecture.from_hf_config(hf_model.config)
+    model_def = model_lib.define(arch, remat=remat)
+    torch_state = hf_model.state_dict()
+    return model_def, convert.from_torch(torch_state, model_def.variables, arch), hf_model.config, tuple(torch_state)
+
+
+def place(host_params: dict, param_sharding: dict) -> dict:
+    return {name: jax.device_put(value, param_sharding[name]) for name, value in host_params.items()}
+
+
+def _positions(batch: Batch) -> np.ndarray:
+    if batch.position_ids is not None:
+        return batch.position_ids
+    return np.broadcast_to(np.arange(batch.input_ids.shape[1]), batch.input_ids.shape)
+
+
+def _on_devices(arrays: list, mesh, leading_axes: int) -> list:
+    target = sharding.batch_sharding(mesh, leading_axes)
+    return [jax.device_put(np.ascontiguousarray(a, dtype=np.int32), target) for a in arrays]
+
+
+def train_step(state: TrainState, micro_batches: list) -> tuple:
+    ctx = state.ctx
+    tokens = sum(b.num_label_tokens for b in micro_batches)
+    stacked = [np.stack(parts) for parts in zip(*[(b.input_ids, b.labels, _positions(b)) for b in micro_batches])]
+    lr = ctx.schedule(state.step)
+    params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
+                                                jnp.float32(max(tokens, 1)), jnp.float32(lr))
+    loss, grad_norm, finite = float(out["loss_sum"]) / max(tokens, 1), float(out["grad_norm"]), bool(out["finite"])
+    if not finite and ctx.config.train.nonfinite == "stop":
+        raise TrainingDiverged(state.step + 1, loss, grad_norm)
+    metrics = {"loss": loss, "tokens": int(tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
+    return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def count_label_tokens(state: TrainState, batch: Batch) -> int:
+    """num_items_in_batch: this process reads the whole global batch, before any sharding."""
+    return batch.num_label_tokens
+
+
+def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
+    """{"loss_sum": Σ token losses of the global batch}; the eval layer divides by Σ num_items_in_batch."""
+    arrays = _on_devices([batch.input_ids, batch.labels, _positions(batch)], state.ctx.mesh, 0)
+    return {"loss_sum": float(state.ctx.programs.eval_loss_sum(state.params, *arrays))}
+
+
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
+    """Argmax predictions of the global batch (and its labels), full length, in order, as numpy."""
+    input_ids, positions = _on_devices([batch.input_ids, _positions(batch)], state.ctx.mesh, 0)
+    out = {k: np.asarray(v) for k, v in state.ctx.programs.predict(state.params, input_ids, positions,
+                                                                    return_logits).items()}
+    out["predictions"] = out["predictions"].astype(np.int64)
+    if batch.labels is not None:
+        out["labels"] = batch.labels
+    return out
+
+
+def placement(state: TrainState) -> Placement:
+    return Placement(rank=0, world_size=state.ctx.mesh.devices.size, dp_rank=0, dp_size=1)
+
+
+def barrier(state: TrainState) -> None:
+    """One process: nothing to wait for (device work is awaited where results are read)."""
+
+
+def any_rank(state: TrainState, flag: bool) -> bool:
+    """One process sees every signal itself: nothing to agree on."""
+    return flag
+
+
+def model_info(state: TrainState) -> ModelInfo:
+    return state.ctx.info
+
+
+def finalize(state: TrainState | None = None) -> None:
+    """Nothing to tear down: no process group, and device buffers go with the process."""

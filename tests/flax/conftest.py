@@ -1,0 +1,69 @@
+"""JAX host devices for the flax tests, and helpers that train in-process.
+
+XLA reads the host-device count once, when jax is first imported, so it is set here, before any test
+module imports jax: one pytest process then holds HOST_DEVICES CPU devices, and a run on fewer uses
+the first ones.
+"""
+import contextlib
+
+import pytest
+
+from portable_fsdp.backends.flax.devices import configure_host_devices
+
+HOST_DEVICES = 2
+configure_host_devices(HOST_DEVICES)
+
+
+def make_config(overrides: dict | None = None):
+    """configs/llama_tiny.py:test with `--config.KEY=VALUE` overrides."""
+    from portable_fsdp.config import apply_override, load_recipe
+    from tests.conftest import TEST_RECIPE
+
+    config = load_recipe(TEST_RECIPE)
+    for key, value in (overrides or {}).items():
+        apply_override(config, key, str(value))
+    return config
+
+
+def init_state(config, world_size: int):
+    from portable_fsdp.backends.flax import step
+    from portable_fsdp.validate import resolve_plan
+
+    return step.init(config, resolve_plan(config, world_size))
+
+
+def flax_losses(config, world_size: int, steps: int) -> list:
+    """Per-step losses of the flax backend on `world_size` devices, over the loop's own batches."""
+    from portable_fsdp.backends.flax import step
+    from portable_fsdp.data.loader import TrainBatches, build_token_data
+
+    t = config.train
+    state = init_state(config, world_size)
+    data = build_token_data(config.data, config.model.vocab_size, t.batch_size)
+    documents_end_at = data.eos_token_id if config.data.document_masking else None
+    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
+    losses = []
+    for index in range(steps):
+        state, metrics = step.train_step(state, batches.micro_batches(index, 0, 1))
+        losses.append(metrics["loss"])
+    return losses
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """The torch reference on one thread: on these shared 2-core machines, torch's default threads
+    contend with everything else and a 20-step reference takes 20 s instead of 4."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def needs_devices(n: int):
+    import jax
+
+    return pytest.mark.skipif(len(jax.devices()) < n, reason=f"jax was initialised with fewer than {n} devices")

@@ -1,0 +1,49 @@
+"""plan.cp_size on flax: the sequence axis split over `cp` devices. Losses, eval_loss and predictions are
+those of the unsplit model (the traps of transformers#48167 and #48842: eval_loss times cp_size,
+predictions with cp_size times the rows)."""
+import numpy as np
+import pytest
+
+from tests.flax.conftest import flax_losses, init_state, make_config, needs_devices
+from tests.flax.test_parity import FP32_RTOL, STEPS, reference_for
+from tests.parity.reference import max_relative_difference
+
+pytestmark = needs_devices(2)
+
+
+def test_cp2_losses_match_the_torch_reference():
+    losses = flax_losses(make_config({"plan.cp_size": 2}), 2, STEPS)
+    assert max_relative_difference(losses, reference_for({})) <= FP32_RTOL
+
+
+@pytest.mark.slow
+def test_cp2_with_packed_documents_matches_the_torch_reference():
+    overrides = {"plan.cp_size": 2, "data.document_masking": True}
+    losses = flax_losses(make_config(overrides), 2, STEPS)
+    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
+
+
+def test_eval_loss_and_predictions_do_not_depend_on_cp():
+    from jax.sharding import PartitionSpec as P
+
+    from portable_fsdp.backends.flax import sharding, step
+    from portable_fsdp.data.loader import build_token_data, eval_batches
+    from portable_fsdp.evaluation import evaluate, token_accuracy
+
+    config = make_config()
+    data = build_token_data(config.data, config.model.vocab_size, 1)
+    batches = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches)
+    results, predictions = {}, {}
+    for cp in (1, 2):
+        state = init_state(make_config({"plan.cp_size": cp}), 2)
+        if cp == 2:  # the sequence is split over cp, parameters over fsdp x cp
+            assert dict(state.ctx.mesh.shape) == {"fsdp": 1, "cp": 2}
+            assert sharding.batch_sharding(state.ctx.mesh).spec == P("fsdp", "cp")
+            assert state.params["lm_head.kernel"].sharding.spec == P(None, ("fsdp", "cp"))
+        results[cp] = evaluate(step, state, batches, compute_metrics=token_accuracy)
+        predictions[cp] = step.predict_step(state, batches[0])
+    assert results[2]["eval_tokens"] == results[1]["eval_tokens"]
+    assert results[2]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-6)
+    assert results[2]["eval_token_accuracy"] == results[1]["eval_token_accuracy"]
+    assert predictions[2]["predictions"].shape == batches[0].input_ids.shape
+    np.testing.assert_array_equal(predictions[2]["predictions"], predictions[1]["predictions"])
