@@ -1,0 +1,164 @@
+"""`python -m portable_fsdp.crosscheck --backends cpu,xla,flax --steps 20 [--config recipe.py[:arg]]`
+
+Can I trust my loss on a new accelerator? Every backend trains from one set of initial weights (made
+once, saved, and loaded by each backend through model.init_from — converted, never re-initialised) on
+the same batches; the per-step losses go into one table, a JSON file and a PNG plot. The exit status
+is 1 when two backends differ by more than --rtol at any step (or a built backend fails), else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from portable_fsdp import backends
+from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.errors import UserError
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m portable_fsdp.crosscheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="cpu,xla,flax", help="comma-separated; the first is the reference")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--config", default=f"{DEFAULT_RECIPE}:test", help="recipe[:arg] (default: llama_tiny:test)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks / devices per backend")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference allowed (fp32)")
+    parser.add_argument("--out", default="crosscheck", help="writes OUT.json and OUT.png")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every backend, e.g. --set plan.cp_size=2")
+    parser.add_argument("--override", action="append", default=[], metavar="BACKEND:KEY=VALUE",
+                        help="a config override for one backend only (e.g. to check that a difference is caught)")
+    return parser.parse_args(argv)
+
+
+def _split_override(text: str, backend_prefix: bool):
+    backend = None
+    if backend_prefix:
+        backend, sep, text = text.partition(":")
+        if not sep:
+            raise UserError("--override", f"{text!r}: write BACKEND:key=value, e.g. flax:train.lr=0.01")
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise UserError("--set" if not backend_prefix else "--override", f"{text!r}: write key=value")
+    return backend, key, value
+
+
+def initial_weights(config_spec: str, overrides: list, directory: pathlib.Path) -> None:
+    """The one set of initial weights every backend starts from (the torch backends' seeded init)."""
+    from portable_fsdp.backends.torch.model import create_model
+
+    config = load_recipe(config_spec)
+    for key, value in overrides:
+        apply_override(config, key, value)
+    create_model(config, rank=0, rank0_only=False).save_pretrained(directory)
+
+
+def run_backend(name: str, args, overrides: list, weights: pathlib.Path, workdir: pathlib.Path) -> dict:
+    command = [sys.executable, "-m", "portable_fsdp.run", "--backend", name, "--config", args.config,
+               "--workdir", str(workdir), "--nproc", str(args.nproc), f"--config.train.steps={args.steps}",
+               "--config.train.log_every=1", "--config.train.progress_bar=false", f"--config.model.init_from={weights}"]
+    command += [f"--config.{key}={value}" for key, value in overrides]
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "USE_TORCH_XLA": "0"})
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or proc.stderr.splitlines()[-1:]
+        return {"status": f"failed: {lines[-1] if lines else proc.returncode}"}
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {"status": "ok", "losses": [r["loss"] for r in records if "loss" in r]}
+
+
+def compare(results: dict, steps: int) -> list:
+    """Per step: every backend's loss and the largest relative difference to the first backend that ran."""
+    ran = [name for name, r in results.items() if r["status"] == "ok"]
+    rows = []
+    for step in range(steps):
+        losses = {name: results[name]["losses"][step] for name in ran}
+        reference = losses[ran[0]] if ran else None
+        worst = max((abs(v - reference) / abs(reference) for v in losses.values()), default=0.0)
+        rows.append({"step": step + 1, "losses": losses, "max_rel_diff": worst})
+    return rows
+
+
+def render(results: dict, rows: list, rtol: float) -> str:
+    names = list(results)
+    header = ["step", *names, "max rel diff"]
+    body = [[str(r["step"]), *(f"{r['losses'][n]:.6f}" if n in r["losses"] else results[n]["status"] for n in names),
+             f"{r['max_rel_diff']:.2e}{'  <-- over rtol' if r['max_rel_diff'] > rtol else ''}"] for r in rows]
+    widths = [max(len(x) for x in column) for column in zip(header, *body)]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), *map(fmt, body)])
+
+
+def plot(results: dict, rows: list, path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    steps = [r["step"] for r in rows]
+    for name, result in results.items():
+        if result["status"] == "ok":
+            top.plot(steps, result["losses"], marker=".", label=name)
+    top.set_ylabel("training loss")
+    top.legend()
+    bottom.semilogy(steps, [max(r["max_rel_diff"], 1e-12) for r in rows], color="black")
+    bottom.set_ylabel("max relative diff")
+    bottom.set_xlabel("step")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        names = [n.strip() for n in args.backends.split(",") if n.strip()]
+        for name in names:
+            if name not in backends.BACKENDS:
+                raise UserError("--backends", f"unknown backend {name!r}; choose from {', '.join(backends.BACKENDS)}")
+        shared = [_split_override(s, False)[1:] for s in args.set]
+        per_backend = [_split_override(s, True) for s in args.override]
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = pathlib.Path(scratch)
+            initial_weights(args.config, shared, scratch / "weights")
+            results = {}
+            for name in names:
+                try:
+                    backends.load(name)
+                except UserError as err:
+                    results[name] = {"status": f"not built: {err.message}"}
+                    continue
+                mine = shared + [(k, v) for b, k, v in per_backend if b == name]
+                results[name] = run_backend(name, args, mine, scratch / "weights", scratch / name)
+                print(f"{name}: {results[name]['status']}", file=sys.stderr, flush=True)
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        return err.exit_code
+    rows = compare(results, args.steps)
+    worst = max((r["max_rel_diff"] for r in rows), default=0.0)
+    failed = [n for n, r in results.items() if r["status"].startswith("failed")]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"config": args.config, "steps": args.steps, "rtol": args.rtol, "overrides": args.set + args.override,
+               "backends": {n: r for n, r in results.items()}, "rows": rows, "max_rel_diff": worst,
+               "agree": worst <= args.rtol and not failed}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    if sum(r["status"] == "ok" for r in results.values()):
+        plot(results, rows, out.with_suffix(".png"),
+             f"{args.config}, {args.nproc} ranks/devices; max rel diff {worst:.1e} (rtol {args.rtol:.0e})")
+    print(render(results, rows, args.rtol))
+    verdict = "agree" if summary["agree"] else "DISAGREE"
+    print(f"\n{verdict}: largest relative difference {worst:.2e} (rtol {args.rtol:.0e}) over {args.steps} steps; "
+          + "; ".join(f"{n}: {r['status']}" for n, r in results.items())
+          + f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0 if summary["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
