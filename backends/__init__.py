@@ -9,7 +9,7 @@ from portable_fsdp.errors import UserError
 BACKENDS = {
     "cpu": ("portable_fsdp.backends.torch", None),
     "cuda": ("portable_fsdp.backends.torch", None),
-    "xla": (None, "the torch_xla lowering (issue 'The torch_xla lowering: --backend xla')"),
+    "xla": ("portable_fsdp.backends.xla", None),
     "flax": ("portable_fsdp.backends.flax", None),
 }
 CHOICES = ("auto", *BACKENDS)

@@ -56,6 +56,10 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
     if backend_name == "flax":
         return _start_jax(config, spec, workdir, nproc)
+    if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)
+        from portable_fsdp.backends.xla.launch import start as start_xla
+
+        return start_xla(config, spec, workdir, nproc, preflight)
     if under_torchrun():
         worker.main(spec)
         return 0

@@ -1,0 +1,25 @@
+"""The torch_xla lowering (`--backend xla`): SPMD FSDPv2 by default, FSDP v1 with plan.xla_fsdp_v2=false.
+
+The same functional surface as the torch backend. torch_xla reads its environment (which device, how many
+CPU devices) once, so importing this package imports no torch_xla: the launcher sets the environment first
+(see `launch`), and the surface below is loaded on first use.
+"""
+import importlib
+
+from portable_fsdp.backends.torch.model import describe_model  # the same transformers model: shared
+
+_SURFACE = {
+    "init": "step", "train_step": "step", "eval_step": "step", "count_label_tokens": "step",
+    "predict_step": "step", "memory_report": "step", "placement": "step", "barrier": "step", "any_rank": "step",
+    "peak_flops": "step", "model_info": "step", "finalize": "step",
+    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
+}
+
+__all__ = [*_SURFACE, "describe_model"]
+
+
+def __getattr__(name: str):
+    if name in _SURFACE:
+        module = importlib.import_module(f"{__name__}.{_SURFACE[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

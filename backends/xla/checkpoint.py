@@ -1,0 +1,173 @@
+"""Writing and reading the xla backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing),
+in the torch backend's formats so a checkpoint moves between backends:
+
+FULL_STATE_DICT: every shard is gathered (not only the first process's) into `model.safetensors` +
+`config.json` (save_pretrained: what `from_pretrained` and --backend cpu load) and `optimizer.pt` (torch's
+full optimizer state dict: state and param_groups keyed by parameter name).
+SHARDED_STATE_DICT: per-shard files under `sharded/`: one per device under SPMD (see shard_files), one per
+process under FSDP v1. Both add `rng/rank_*.pt` per process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+import torch_xla.core.xla_model as xm
+
+from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.xla import full_state, runtime as rt, shard_files
+from portable_fsdp.errors import UserError
+from portable_fsdp.plan import StateDictType
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(state, directory: pathlib.Path) -> None:
+    """Every process calls this; `directory` exists (process 0 made it)."""
+    directory = pathlib.Path(directory)
+    ctx = state.ctx
+    rt.sync()  # the weights read below are those of the last finished step
+    is_main = ctx.runtime.rank == 0
+    if ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
+        weights = {n.name: full_state.gather(ctx.runtime, n.param, n.shape) for n in ctx.named}
+        weights.update(full_state.persistent_buffers(ctx.hf_model))
+        optimizer = _full_optimizer_state(state)
+        if is_main:
+            ctx.hf_model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+            torch.save(optimizer, directory / "optimizer.pt")
+    else:
+        _save_sharded(state, directory / "sharded")
+        if is_main:
+            ctx.hf_model.config.save_pretrained(directory)
+    (directory / "rng").mkdir(exist_ok=True)
+    torch.save({"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()},
+               directory / "rng" / f"rank_{ctx.runtime.rank:05d}.pt")
+
+
+def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
+    """Restore weights, optimizer state, step and RNG; FULL checkpoints load at any device count and from
+    any backend."""
+    directory = pathlib.Path(directory)
+    if (directory / "model.safetensors").exists():
+        _load_full(state, directory)
+    elif (directory / "sharded").is_dir():
+        if manifest.get("backend") != "xla":
+            raise UserError("train.resume", (
+                f"{directory} is a SHARDED_STATE_DICT checkpoint of --backend {manifest.get('backend')}; sharded "
+                "checkpoints resume on the backend that wrote them: resume there, or save with "
+                "plan.state_dict_type=FULL_STATE_DICT, which every backend loads"))
+        _load_sharded(state, directory / "sharded")
+    else:
+        raise UserError("train.resume", f"{directory} holds neither model.safetensors nor sharded/; it is not a checkpoint")
+    _restore_rng(state, directory, manifest)
+    rt.sync()
+    return dataclasses.replace(state, step=manifest["step"])
+
+
+def _full_optimizer_state(state) -> dict:
+    """torch's FULL optimizer state dict: {"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}."""
+    ctx, optimizer = state.ctx, state.optimizer
+    names = {id(n.param): n.name for n in ctx.named}
+    saved = {}
+    for n in ctx.named:  # a fixed order: under FSDP v1 every gather is a collective
+        per_param = optimizer.state.get(n.param, {})
+        if per_param:
+            saved[n.name] = {"step": per_param["step"].detach().clone(),
+                             **{k: full_state.gather(ctx.runtime, per_param[k], n.shape) for k in MOMENTS}}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": saved, "param_groups": groups}
+
+
+def _load_full(state, directory: pathlib.Path) -> None:
+    from safetensors.torch import load_file
+
+    ctx = state.ctx
+    weights = full_state_dict_with_ties(ctx.hf_model, load_file(directory / "model.safetensors"))
+    missing = [n.name for n in ctx.named if n.name not in weights]
+    if missing:
+        raise UserError("train.resume", f"{directory}/model.safetensors lacks {', '.join(missing[:3])}: another model")
+    with torch.no_grad():
+        for n in ctx.named:
+            n.param.data = full_state.place(ctx.runtime, n.param, weights[n.name])
+    optim_file = directory / "optimizer.pt"
+    if optim_file.exists():
+        saved = torch.load(optim_file, weights_only=False)["state"]
+        for n in ctx.named:
+            if n.name in saved:
+                _set_moments(state, n.param, saved[n.name],
+                             lambda like, full: full_state.place(ctx.runtime, like, full))
+
+
+def _set_moments(state, param, saved: dict, place) -> None:
+    """Replace AdamW's (primed) state of `param`; `place(like, value)` lays a saved tensor out like `like`."""
+    current = state.optimizer.state[param]
+    current["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone()
+    for key in MOMENTS:
+        current[key] = place(current[key], saved[key])
+
+
+def _save_sharded(state, directory: pathlib.Path) -> None:
+    ctx, optimizer = state.ctx, state.optimizer
+    directory.mkdir(parents=True, exist_ok=True)
+    steps = {n.name: optimizer.state[n.param]["step"] for n in ctx.named if optimizer.state.get(n.param)}
+    if ctx.runtime.spmd:
+        shard_files.save(_device_tensors(state), directory, write_index=ctx.runtime.rank == 0)
+        if ctx.runtime.rank == 0:
+            torch.save({"step": steps}, directory / "optimizer_steps.pt")
+        return
+    # FSDP v1: each process's flat shards, in one file per process.
+    shards = {"world_size": ctx.runtime.world_size,
+              "model": {n.name: n.param.detach().cpu() for n in ctx.named},
+              "optim": {n.name: {"step": steps[n.name], **{k: optimizer.state[n.param][k].cpu() for k in MOMENTS}}
+                        for n in ctx.named if n.name in steps}}
+    torch.save(shards, directory / f"rank_{ctx.runtime.rank:05d}.pt")
+
+
+def _device_tensors(state) -> dict:
+    """Every sharded device tensor of the training state, by checkpoint name."""
+    tensors = {f"model.{n.name}": n.param for n in state.ctx.named}
+    for n in state.ctx.named:
+        for key in MOMENTS:
+            if key in state.optimizer.state.get(n.param, {}):
+                tensors[f"optim.{n.name}.{key}"] = state.optimizer.state[n.param][key]
+    return tensors
+
+
+def _load_sharded(state, directory: pathlib.Path) -> None:
+    ctx = state.ctx
+    if ctx.runtime.spmd:
+        if not (directory / shard_files.INDEX).exists():
+            raise UserError("train.resume", f"{directory} was written by FSDP v1; resume it with plan.xla_fsdp_v2=false")
+        shard_files.load(_device_tensors(state), directory)
+        steps = torch.load(directory / "optimizer_steps.pt", weights_only=False)["step"]
+        for n in ctx.named:
+            state.optimizer.state[n.param]["step"] = steps[n.name].detach().clone()
+        return
+    path = directory / f"rank_{ctx.runtime.rank:05d}.pt"
+    if not path.exists():
+        raise UserError("train.resume", f"{path} is missing: written by SPMD FSDPv2 or by fewer processes")
+    shards = torch.load(path, weights_only=False)
+    if shards["world_size"] != ctx.runtime.world_size:
+        raise UserError("train.resume", (
+            f"written by {shards['world_size']} FSDP v1 processes, resumed by {ctx.runtime.world_size}: a "
+            "SHARDED_STATE_DICT checkpoint resumes at the same size; use FULL_STATE_DICT to change it"))
+    with torch.no_grad():
+        for n in ctx.named:
+            n.param.data = shards["model"][n.name].to(ctx.runtime.device)
+            if n.name in shards["optim"]:
+                _set_moments(state, n.param, shards["optim"][n.name], lambda like, t: t.to(ctx.runtime.device))
+
+
+def _restore_rng(state, directory: pathlib.Path, manifest: dict) -> None:
+    rank = state.ctx.runtime.rank
+    rng_file = directory / "rng" / f"rank_{rank:05d}.pt"
+    same_layout = manifest.get("backend") == "xla" and manifest.get("world_size") == state.ctx.runtime.world_size
+    if rng_file.exists() and same_layout:
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        xm.set_rng_state(rng["xla"])
+    else:  # another layout or backend: a fresh, still deterministic stream per process
+        torch.manual_seed(state.ctx.config.seed + manifest["step"] * 1000 + rank)
+        xm.set_rng_state(state.ctx.config.seed + manifest["step"] * 1000 + rank)

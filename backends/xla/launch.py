@@ -1,0 +1,51 @@
+"""Starting `--backend xla`: the environment torch_xla reads is set before it is imported, every start-up
+check runs before anything compiles, then:
+
+SPMD FSDPv2: one process per host drives all its devices, so the worker runs in this process; the plan's
+    world size is the device count (on the CPU, `--nproc` PJRT CPU devices).
+FSDP v1: one process per device, started by torch_xla's own launcher (xmp.spawn); on the CPU one device only.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from portable_fsdp import worker
+from portable_fsdp.backends.xla import environment, fsdp_settings, support
+
+
+def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> int:
+    """`preflight(config, backend_name, world_size, workdir) -> plan`: the launcher's shared checks.
+    Returns the exit status."""
+    environment.configure(nproc)
+    device = environment.device_type()
+    v2 = config.plan.xla_fsdp_v2
+    support.check_launch(v2, device, nproc)
+    world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
+    plan = preflight(config, "xla", world, workdir)
+    support.check_plan(plan, config, device, nproc)
+    signature = fsdp_settings.v1_signature()
+    if v2:
+        fsdp_settings.check_spmd(plan.xla.xla_fsdp_settings, signature)
+    else:
+        fsdp_settings.v1_kwargs(plan, plan.xla.xla_fsdp_settings, signature, config.train.weight_decay)
+    try:
+        if v2:
+            os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
+            worker.main(spec)
+        else:
+            import torch_xla.distributed.xla_multiprocessing as xmp
+
+            xmp.spawn(_v1_process, args=(spec,), nprocs=1 if device == "CPU" else None)
+    except SystemExit as exit_:  # the worker printed its own `error:` line
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
+def _v1_process(index: int, spec: dict) -> None:
+    """One FSDP v1 process (module level: xmp.spawn pickles it)."""
+    import torch_xla.runtime as xr
+
+    os.environ["WORLD_SIZE"] = str(xr.world_size())
+    os.environ["RANK"] = str(xr.global_ordinal())
+    worker.main(spec)

@@ -1,0 +1,112 @@
+"""One place for what differs between the two torch_xla execution models, so the step reads the same for both:
+
+SPMD (FSDPv2): one process per host drives every device of the mesh; tensors are global and sharded, and
+    the XLA compiler inserts the collectives. Reductions over devices are implicit.
+FSDP v1: one process per device (torch_xla's launcher); tensors are local, and sums over processes are
+    explicit `xm.all_reduce`s.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as xla_metrics
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+from portable_fsdp.plan import ShardingPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    spmd: bool
+    device: torch.device
+    device_type: str  # "CPU", "TPU", ...
+    mesh: object | None  # xs.Mesh over every device (SPMD); None for v1
+    rank: int  # SPMD: process (host) index; v1: global ordinal
+    world_size: int  # SPMD: devices of the mesh; v1: processes (one per device)
+    process_count: int
+
+    @property
+    def data_parallel(self) -> tuple:
+        """(dp_rank, dp_size): which slice of the global batch this process feeds, out of how many."""
+        if self.spmd:
+            return xr.process_index(), self.process_count
+        return self.rank, self.world_size
+
+
+def initialize(plan: ShardingPlan) -> Runtime:
+    if plan.xla.xla_fsdp_v2:
+        if not xr.is_spmd():
+            xr.use_spmd()  # before any tensor reaches a device
+        devices = xr.global_runtime_device_count()
+        cp = plan.mesh.cp_size
+        # cp is the inner axis, as in the torch backend: a sequence is split over neighbouring devices.
+        mesh = (xs.Mesh(np.arange(devices), (devices // cp, cp), ("fsdp", "cp")) if cp > 1
+                else xs.Mesh(np.arange(devices), (devices,), ("fsdp",)))
+        xs.set_global_mesh(mesh)
+        return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices,
+                       xr.process_count())
+    return Runtime(False, torch_xla.device(), xr.device_type(), None, xr.global_ordinal(), xr.world_size(),
+                   xr.world_size())
+
+
+def sequence_axis(mesh) -> str | None:
+    """The mesh axis sequences are split over (context parallelism), if any."""
+    return "cp" if "cp" in mesh.axis_names else None
+
+
+def batch_sharding(runtime: Runtime):
+    """[batch, sequence] arrays: rows over the fsdp axis, tokens over the cp axis when there is one; with
+    several hosts each feeds its own rows (torch_xla's `minibatch`)."""
+    return xs.ShardingSpec(runtime.mesh, ("fsdp", sequence_axis(runtime.mesh)), minibatch=runtime.process_count > 1)
+
+
+def to_device(runtime: Runtime, arrays: list) -> list:
+    """Host int64 arrays -> device tensors, sharded by row under SPMD, in one transfer, no pinned memory."""
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    sharding = batch_sharding(runtime) if runtime.spmd else None
+    return xm.send_cpu_data_to_device(tensors, runtime.device, sharding)
+
+
+def device_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over every device: SPMD tensors already are global; v1 sums over processes."""
+    return tensor if runtime.spmd else xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+
+def host_sum(runtime: Runtime, value: float) -> float:
+    """A Python number summed over processes: FSDP v1's (one per device), or several SPMD hosts'."""
+    if runtime.process_count == 1:
+        return value
+    return float(xm.mesh_reduce("portable_fsdp.host_sum", value, sum))
+
+
+def gather_rows(runtime: Runtime, tensor: torch.Tensor) -> np.ndarray:
+    """Every row of a batch-sharded tensor, in global-batch order, on the host of every process."""
+    if runtime.spmd:
+        if runtime.process_count > 1:
+            raise NotImplementedError("gathering predictions over several SPMD hosts is not built yet")
+        return tensor.cpu().numpy()
+    return xm.all_gather(tensor, dim=0).cpu().numpy()
+
+
+def barrier(runtime: Runtime, tag: str = "portable_fsdp") -> None:
+    if runtime.process_count > 1:
+        xm.rendezvous(tag)
+
+
+def sync() -> None:
+    """Cut the traced graph here and run it: the unit the compilation cache works on."""
+    torch_xla.sync()
+
+
+def compilations() -> tuple:
+    """(graphs compiled so far, seconds spent compiling) from torch_xla's metrics."""
+    data = xla_metrics.metric_data("CompileTime")
+    if data is None:
+        return 0, 0.0
+    count, total_ns = data[0], data[1]
+    return int(count), total_ns / 1e9

@@ -1,0 +1,251 @@
+"""The functional training surface of the torch_xla lowering: `init(config, plan) -> state`,
+`train_step(state, micro_batches) -> (state, metrics)`, `eval_step(state, batch) -> metrics`.
+
+Numerics are the torch backend's: loss = Σ token losses / Σ label tokens of the whole accumulated batch,
+AdamW with decay on >= 2-D parameters, the schedule's lr set each step, global-norm clipping. A step is two
+graphs, each compiled once: forward + backward + clipping, then (once the loss and norm are read back and
+found finite) the update. Everything else stays on the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import resource
+import time
+import warnings
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+from torch import nn
+
+from portable_fsdp import faults
+from portable_fsdp.backends.torch.model import create_model, describe_model
+from portable_fsdp.backends.torch.optimizer import apply_update
+from portable_fsdp.backends.torch.step import token_loss_sum
+from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params as params_lib
+from portable_fsdp.backends.xla import runtime as rt, support
+from portable_fsdp.backends.xla.parallelize import parallelize
+from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp.loop import Placement
+from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.schedule import for_config as schedule_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a step needs besides the mutable model and optimizer."""
+
+    runtime: rt.Runtime
+    plan: ShardingPlan
+    config: object
+    info: ModelInfo
+    schedule: object
+    hf_model: nn.Module  # the transformers model inside the wrappers: its config and save_pretrained
+    named: tuple  # params.NamedParameter per parameter, in checkpoint names
+
+    @property
+    def autocast_dtype(self):
+        """SPMD mixed precision is torch_xla's autocast (FSDP v1 casts through its compute_dtype)."""
+        dtype = self.plan.mixed_precision.param_dtype
+        return getattr(torch, dtype) if self.runtime.spmd and dtype != "float32" else None
+
+
+@dataclasses.dataclass
+class TrainState:
+    model: nn.Module  # the root FSDP wrapper
+    optimizer: torch.optim.Optimizer
+    step: int
+    ctx: Context
+
+
+def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+    runtime = rt.initialize(plan)
+    support.check_plan(plan, config, runtime.device_type, runtime.world_size)
+    for name in support.ignored_cp_settings(plan):
+        warnings.warn(f"{name} has no effect on --backend xla: the XLA compiler decides how the sequence shards "
+                      "exchange keys and values", stacklevel=2)
+    signature = fsdp_settings.v1_signature()
+    settings = plan.xla.xla_fsdp_settings
+    if runtime.spmd:
+        fsdp_settings.check_spmd(settings, signature)
+        v1_kwargs = {}
+    else:
+        v1_kwargs = fsdp_settings.v1_kwargs(plan, settings, signature, config.train.weight_decay)
+    info = describe_model(config)
+    layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
+    # Every process builds the seeded model on its host; SPMD has one process per host, so that is once a host.
+    model = create_model(config, rank=0, rank0_only=False)
+    if config.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    root = parallelize(model, plan, runtime, layer_classes, v1_kwargs)
+    named = tuple(params_lib.named_parameters(root, runtime.spmd))
+    optimizer = optim.build_optimizer(named, config.train)
+    optim.prime_state(optimizer)
+    rt.sync()
+    ctx = Context(runtime, plan, config, info, schedule_for(config.train), model, named)
+    return TrainState(root, optimizer, 0, ctx)
+
+
+def _to_device(ctx: Context, batch: Batch) -> tuple:
+    """(input_ids, labels or None, position_ids or None) on the device, sharded by row under SPMD."""
+    arrays = [batch.input_ids] + [a for a in (batch.labels, batch.position_ids) if a is not None]
+    tensors = iter(rt.to_device(ctx.runtime, arrays))
+    input_ids = next(tensors)
+    labels = next(tensors) if batch.labels is not None else None
+    positions = next(tensors) if batch.position_ids is not None else None
+    return input_ids, labels, positions
+
+
+def _autocast(ctx: Context):
+    dtype = ctx.autocast_dtype
+    return torch.autocast("xla", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _loss_sum(ctx: Context, model, input_ids, labels, positions) -> torch.Tensor:
+    with _autocast(ctx):
+        return token_loss_sum(model, input_ids, labels, positions)
+
+
+def train_step(state: TrainState, micro_batches: list) -> tuple:
+    ctx, model, runtime = state.ctx, state.model, state.ctx.runtime
+    model.train()
+    inputs = [_to_device(ctx, b) for b in micro_batches]
+    tokens = rt.device_sum(runtime, sum((labels != IGNORE_INDEX).sum() for _, labels, _ in inputs))
+    # XlaFullyShardedDataParallel averages gradients over its processes: scale so they sum instead.
+    scale = (1 if runtime.spmd else runtime.world_size) / tokens.clamp(min=1)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=runtime.device)
+    for index, (input_ids, labels, positions) in enumerate(inputs):
+        batch_loss = _loss_sum(ctx, model, input_ids, labels, positions)
+        if faults.poison_loss(runtime.rank, state.step + 1):
+            batch_loss = batch_loss * float("nan")
+        (batch_loss * scale).backward()
+        loss_sum = loss_sum + batch_loss.detach()
+        if index < len(inputs) - 1:
+            rt.sync()  # one graph per micro-batch keeps graphs small and their number bounded
+    loss = rt.device_sum(runtime, loss_sum) / tokens.clamp(min=1)
+    grad_norm = optim.clip_grad_norm(runtime, [n.param for n in ctx.named], ctx.config.train.max_grad_norm)
+    rt.sync()
+    loss_value, norm_value, token_count = loss.item(), grad_norm.item(), int(tokens.item())
+    lr = ctx.schedule(state.step)
+    finite = apply_update(state.optimizer, lr, loss_value, norm_value, state.step + 1, ctx.config.train.nonfinite)
+    rt.sync()
+    metrics = {"loss": loss_value, "tokens": token_count, "grad_norm": norm_value, "lr": lr, "skipped": not finite}
+    return dataclasses.replace(state, step=state.step + 1), metrics
+
+
+def count_label_tokens(state: TrainState, batch: Batch) -> int:
+    """num_items_in_batch: label tokens of the global batch (SPMD: this process holds it all on one host)."""
+    runtime = state.ctx.runtime
+    if runtime.spmd and runtime.process_count > 1:
+        _, labels, _ = _to_device(state.ctx, batch)
+        return int((labels != IGNORE_INDEX).sum().item())
+    return int(rt.host_sum(runtime, batch.num_label_tokens))
+
+
+@torch.no_grad()
+def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
+    """{"loss_sum": Σ token losses over every device}; the eval layer divides by Σ num_items_in_batch once."""
+    state.model.eval()
+    input_ids, labels, positions = _to_device(state.ctx, batch)
+    loss = rt.device_sum(state.ctx.runtime, _loss_sum(state.ctx, state.model, input_ids, labels, positions))
+    return {"loss_sum": loss.item()}
+
+
+@torch.no_grad()
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
+    """Predictions of the global batch, full length, in order, on every process."""
+    ctx = state.ctx
+    state.model.eval()
+    input_ids, labels, positions = _to_device(ctx, batch)
+    with _autocast(ctx):
+        logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+    outputs = {"predictions": logits.argmax(-1)}
+    if return_logits:
+        outputs["logits"] = logits
+    if labels is not None:
+        outputs["labels"] = labels
+    return {k: rt.gather_rows(ctx.runtime, v) for k, v in outputs.items()}
+
+
+def _state_bytes_per_device(state: TrainState) -> list:
+    """Bytes of parameters and optimizer state each device holds (what sharding is for)."""
+    runtime = state.ctx.runtime
+    tensors = [n.param for n in state.ctx.named]
+    tensors += [v for s in state.optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.device.type == "xla"]
+    if not runtime.spmd:
+        mine = sum(t.numel() * t.element_size() for t in tensors)
+        return xm.mesh_reduce("portable_fsdp.state_bytes", [mine], lambda parts: sum(parts, []))
+    xm.wait_device_ops()  # shard layouts are read from the data, which the last update may still be writing
+    per_device = [0] * runtime.world_size
+    for tensor, shards in zip(tensors, torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)):
+        for device_index, (_, indices) in enumerate(shards):
+            count = tensor.numel() if indices is Ellipsis else math.prod(s.stop - s.start for s in indices)
+            per_device[device_index] += count * tensor.element_size()
+    return per_device
+
+
+def memory_report(state: TrainState) -> dict:
+    """Per device (the plan's ranks), in MiB. PJRT CPU and SPMD report no per-device memory: there the host
+    process's resident set is given for each device it drives."""
+    import psutil
+
+    runtime = state.ctx.runtime
+    current = psutil.Process().memory_info().rss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    state_mb = [round(b / 2**20, 2) for b in _state_bytes_per_device(state)]
+    if runtime.spmd:
+        mem, peaks = [round(current, 1)] * len(state_mb), [round(peak, 1)] * len(state_mb)
+    else:
+        rows = xm.mesh_reduce("portable_fsdp.memory", [(current, peak)], lambda parts: sum(parts, []))
+        mem, peaks = [round(r[0], 1) for r in rows], [round(r[1], 1) for r in rows]
+    return {"mem_mb": mem, "peak_mem_mb": peaks, "state_mb": state_mb}
+
+
+def measured_peak_flops(runtime: rt.Runtime) -> float:
+    """The matmul rate one device reaches (fp32 on CPU, bf16 elsewhere): the denominator of MFU. Under SPMD the
+    operands are replicated, so every device runs the whole product at once."""
+    size, dtype = (1024, torch.float32) if runtime.device_type == "CPU" else (8192, torch.bfloat16)
+    a = torch.randn(size, size, dtype=dtype).to(runtime.device)
+    b = torch.randn(size, size, dtype=dtype).to(runtime.device)
+    best = math.inf
+    for attempt in range(6):
+        start = time.perf_counter()
+        (a @ b).sum().item()
+        if attempt:  # the first one compiles
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def placement(state: TrainState) -> Placement:
+    runtime = state.ctx.runtime
+    dp_rank, dp_size = runtime.data_parallel
+    return Placement(rank=runtime.rank, world_size=runtime.world_size, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def barrier(state: TrainState) -> None:
+    rt.barrier(state.ctx.runtime)
+
+
+def any_rank(state: TrainState, flag: bool) -> bool:
+    """True on every process when `flag` is true on any (free with one SPMD process per host)."""
+    return rt.host_sum(state.ctx.runtime, int(flag)) > 0
+
+
+def peak_flops(state: TrainState) -> float:
+    return state.ctx.config.train.peak_flops_per_device or measured_peak_flops(state.ctx.runtime)
+
+
+def model_info(state: TrainState) -> ModelInfo:
+    return state.ctx.info
+
+
+def finalize(state: TrainState | None = None) -> None:
+    """Wait for the device and say how much compiling the run took (a graph per new shape, then none)."""
+    xm.wait_device_ops()
+    if state is not None and state.ctx.runtime.rank == 0:
+        graphs, seconds = rt.compilations()
+        print(f"xla: {graphs} graphs compiled in {seconds:.1f} s", flush=True)

@@ -1,0 +1,69 @@
+"""`python -m portable_fsdp.run --backend xla` as a user runs it: the command sets up its PJRT CPU devices,
+writes the torch backend's metrics file and checkpoints, and resumes."""
+import json
+
+import pytest
+
+from tests.conftest import TEST_RECIPE, cli, read_metrics
+from tests.xla.helpers import XLA_ENV
+
+TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_mb", "peak_mem_mb", "state_mb"}
+ENV = {k: v for k, v in XLA_ENV.items() if k != "PJRT_DEVICE"}  # the command must choose the CPU itself
+
+
+def xla_cli(workdir, *args, nproc=2):
+    return cli(["--backend", "xla", "--nproc", str(nproc), "--config", TEST_RECIPE, "--workdir", str(workdir),
+                *args], cwd=workdir.parent, env=ENV)
+
+
+def test_xla_command_trains_evaluates_and_saves_like_the_torch_backend(tmp_path):
+    proc = xla_cli(tmp_path / "run", "--config.train.eval_every=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20] and all(TRAIN_KEYS <= set(r) for r in train)
+    assert all(len(r["state_mb"]) == 2 and len(r["mem_mb"]) == 2 for r in train)  # one entry per device
+    assert [e["step"] for e in evals] == [10, 20] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    final = tmp_path / "run" / "checkpoints" / "step_00000020"
+    assert (final / "model.safetensors").exists() and (final / "optimizer.pt").exists()
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["backend"] == "xla" and manifest["world_size"] == 2
+    assert "xla, 2 rank(s)" in proc.stdout and "graphs compiled" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_through_the_command(tmp_path):
+    workdir = tmp_path / "run"
+    sharded = ["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.log_every=1"]
+    first = xla_cli(workdir, *sharded, "--config.train.stop_at_step=10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (workdir / "checkpoints" / "step_00000010" / "sharded").iterdir()) == [
+        "device_00000.safetensors", "device_00001.safetensors", "index.json", "optimizer_steps.pt"]
+    other_mesh = xla_cli(workdir, *sharded, "--config.train.resume=true", nproc=4)
+    assert other_mesh.returncode == 2 and "error: train.resume:" in other_mesh.stderr
+    second = xla_cli(workdir, *sharded, "--config.train.resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    uninterrupted = xla_cli(tmp_path / "straight", "--config.train.log_every=1")
+    assert uninterrupted.returncode == 0
+    losses = lambda w: [r["loss"] for r in read_metrics(w) if "loss" in r]  # noqa: E731
+    assert losses(workdir)[-10:] == losses(tmp_path / "straight")[-10:]
+
+
+@pytest.mark.slow
+def test_torch_sharded_checkpoint_is_refused_on_xla(tmp_path):
+    workdir = tmp_path / "run"
+    torch_run = cli(["--backend", "cpu", "--config", TEST_RECIPE, "--workdir", str(workdir),
+                     "--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.stop_at_step=2"],
+                    cwd=tmp_path)
+    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
+    proc = xla_cli(workdir, "--config.train.resume=true")
+    assert proc.returncode == 2
+    assert "error: train.resume:" in proc.stderr and "FULL_STATE_DICT" in proc.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_v1_command_on_one_device(tmp_path):
+    proc = xla_cli(tmp_path / "run", "--config.plan.xla_fsdp_v2=false", nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "xla, 1 rank(s)" in proc.stdout

@@ -1,0 +1,39 @@
+"""The same commands on a Cloud TPU VM (marked `tpu`: CI has none and skips them).
+
+Run on a TPU VM (torch_xla with libtpu installed; see docs/xla.md):
+    PJRT_DEVICE=TPU python -m pytest -m tpu tests/xla/test_tpu.py
+"""
+import os
+
+import pytest
+
+from tests.conftest import TEST_RECIPE, cli, read_metrics
+from tests.dist.fsdp_variants import make_config
+from tests.parity.reference import max_relative_difference, reference_losses
+
+pytestmark = pytest.mark.tpu
+TPU_ENV = {"PJRT_DEVICE": "TPU", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# TPU matmuls run fp32 operands through bf16 passes by default: losses stay within a few 1e-3.
+TPU_RTOL = 1e-2
+# A global batch every usual slice (4 or 8 devices per VM) divides.
+BATCH = ["--config.train.batch_size=16", "--config.train.eval_batch_size=16"]
+
+
+# Decided without importing torch_xla here: importing it settles PJRT_DEVICE for every later subprocess.
+needs_tpu = pytest.mark.skipif(os.environ.get("PJRT_DEVICE") != "TPU", reason="needs a Cloud TPU VM with PJRT_DEVICE=TPU")
+
+
+def losses(workdir):
+    return [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+
+
+@needs_tpu
+@pytest.mark.parametrize("plan", [[], ["--config.plan.activation_checkpointing=true"],
+                                  ["--config.plan.xla_fsdp_v2=false"]], ids=["fsdpv2", "fsdpv2-ckpt", "fsdp-v1"])
+def test_tpu_run_matches_the_cpu_reference(tmp_path, plan):
+    proc = cli(["--backend", "xla", "--config", TEST_RECIPE, "--workdir", str(tmp_path / "run"),
+                "--config.train.log_every=1", *BATCH, *plan], cwd=tmp_path, env=TPU_ENV, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = reference_losses(make_config({"train.batch_size": "16"}), 20)
+    assert max_relative_difference(losses(tmp_path / "run"), reference) <= TPU_RTOL
+    assert (tmp_path / "run" / "checkpoints" / "step_00000020" / "model.safetensors").exists()
