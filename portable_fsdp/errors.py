@@ -1,4 +1,6 @@
-"""The one exception type for mistakes a user can fix: it becomes a one-line `error:` and exit 2."""
+"""The ways a run ends on purpose: UserError (a fixable mistake: one `error:` line, exit 2),
+TrainingDiverged (exit 3) and Interrupted (exit 130)."""
+import math
 
 
 class UserError(Exception):
@@ -42,3 +44,12 @@ class TrainingDiverged(Exception):
 
     def line(self) -> str:
         return f"error: {self}"
+
+
+def require_finite(step: int, loss: float, grad_norm: float, nonfinite: str) -> bool:
+    """Whether step `step` may be applied; raises TrainingDiverged under train.nonfinite=stop. Every
+    backend passes the globally reduced loss and norm, so every rank decides the same."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not finite and nonfinite == "stop":
+        raise TrainingDiverged(step, loss, grad_norm)
+    return finite

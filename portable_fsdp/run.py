@@ -24,7 +24,7 @@ def parse_args(argv):
     parser = _Parser(prog="python -m portable_fsdp.run", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
-                        help="auto = cuda when a GPU is present, else cpu (xla and flax: not built yet)")
+                        help="auto = cuda when a GPU is present, else cpu; xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
     parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
     parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")

@@ -17,7 +17,7 @@ import numpy as np
 from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, model as model_lib,
                                          optimizer as optimizer_lib, programs as programs_lib, sharding)
 from portable_fsdp.data.loader import Batch
-from portable_fsdp.errors import TrainingDiverged, UserError
+from portable_fsdp.errors import UserError, require_finite
 from portable_fsdp.loop import Placement
 from portable_fsdp.model_info import ModelInfo
 from portable_fsdp.plan import ShardingPlan, StateDictType
@@ -125,8 +125,7 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
                                                 jnp.float32(max(tokens, 1)), jnp.float32(lr))
     loss, grad_norm, finite = float(out["loss_sum"]) / max(tokens, 1), float(out["grad_norm"]), bool(out["finite"])
-    if not finite and ctx.config.train.nonfinite == "stop":
-        raise TrainingDiverged(state.step + 1, loss, grad_norm)
+    require_finite(state.step + 1, loss, grad_norm, ctx.config.train.nonfinite)  # the program already skipped it
     metrics = {"loss": loss, "tokens": int(tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics
 

@@ -24,9 +24,9 @@ from portable_fsdp.backends.torch import distributed, model as model_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
+from portable_fsdp.backends.torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
-from portable_fsdp.errors import TrainingDiverged
 from portable_fsdp.loop import Placement
 from portable_fsdp.model_info import ModelInfo
 from portable_fsdp.plan import ShardingPlan
@@ -81,18 +81,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     parallelize(model, plan, meshes.shard, layer_classes, runtime.device.type)
     if rank0_only:
         model_lib.broadcast_from_rank0(model, full_weights, torch.device("cpu") if plan.cpu_offload else runtime.device)
-    optimizer = build_optimizer(model, config.train)
+    optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train)))
-
-
-def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
-    """AdamW, created after sharding so its state is sharded too; no weight decay on vectors (norms)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
-                             foreach=False, fused=False)
 
 
 def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids) -> torch.Tensor:
@@ -128,15 +118,7 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     loss = total_loss / max(global_tokens, 1.0)
     grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)
     lr = ctx.schedule(state.step)
-    # Every rank sees the same reduced loss and norm, so every rank takes the same decision.
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if not finite and ctx.config.train.nonfinite == "stop":
-        raise TrainingDiverged(state.step + 1, loss, grad_norm)
-    if finite:
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
-        state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    finite = apply_update(state.optimizer, lr, loss, grad_norm, state.step + 1, ctx.config.train.nonfinite)
     metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics
 

@@ -9,11 +9,10 @@ import os
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp import backends, config as config_lib, loop
+from portable_fsdp import backends, config as config_lib
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan

@@ -1,7 +1,5 @@
 """Faults injected into real runs (PORTABLE_FSDP_FAULTS): kills during saves and steps, a rank that
 raises, NaN losses, corrupt checkpoints, and SHARDED -> FULL conversion / resharding on resume."""
-import json
-import shutil
 import subprocess
 import sys
 import time

@@ -1,5 +1,4 @@
 """Recipes and command-line overrides (portable_fsdp/config.py)."""
-import math
 import textwrap
 
 import ml_collections
