@@ -66,7 +66,7 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
     preflight(config, backend_name, nproc, workdir)
     if nproc == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port()))
         worker.main(spec)
         return 0
     return _elastic_launch(spec, nproc)
@@ -86,9 +86,18 @@ def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> int:
     return 0
 
 
-def _free_port() -> int:
+def _rendezvous_port() -> int:
+    """The user's MASTER_PORT when set (checked to be free, so a clash is one clear line, not a hang),
+    else any free port."""
+    wanted = os.environ.get("MASTER_PORT")
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", int(wanted) if wanted else 0))
+        except ValueError:
+            raise UserError("MASTER_PORT", f"{wanted!r} is not a port number; unset it or give a free port") from None
+        except OSError:
+            raise UserError("MASTER_PORT", f"port {wanted} is already in use; unset MASTER_PORT to take a free "
+                            "port, or give another") from None
         return s.getsockname()[1]
 
 
@@ -98,7 +107,7 @@ def _elastic_launch(spec: dict, nproc: int) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_rendezvous_port()}",
                                  max_restarts=0, monitor_interval=0.1, start_method="spawn")
     try:
         elastic_launch(launch_config, worker.main)(spec)

@@ -51,8 +51,11 @@ class TrainState:
     ctx: Context
 
 
-def check_lowerable(plan: ShardingPlan, platform: str) -> None:
+def check_lowerable(plan: ShardingPlan, platform: str, config) -> None:
     """Refuse the plan fields this lowering does not build yet, instead of ignoring them."""
+    if config.train.freeze:
+        raise UserError("train.freeze", "frozen parameters are not built in the flax backend yet; "
+                        "use --backend cpu, cuda or xla, or leave train.freeze empty")
     if plan.state_dict_type == StateDictType.SHARDED_STATE_DICT:
         raise UserError("plan.state_dict_type", (
             "SHARDED_STATE_DICT is not built in the flax backend yet; use FULL_STATE_DICT (a directory "
@@ -74,7 +77,7 @@ def check_lowerable(plan: ShardingPlan, platform: str) -> None:
 
 def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
     devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
-    check_lowerable(plan, devices[0].platform)
+    check_lowerable(plan, devices[0].platform, config)
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
     mesh = sharding.build_mesh(plan.mesh, devices)

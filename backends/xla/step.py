@@ -21,7 +21,7 @@ import torch_xla.core.xla_model as xm
 from torch import nn
 
 from portable_fsdp import faults
-from portable_fsdp.backends.torch.model import create_model, describe_model
+from portable_fsdp.backends.torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.torch.optimizer import apply_update
 from portable_fsdp.backends.torch.step import token_loss_sum
 from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params as params_lib
@@ -78,6 +78,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
     # Every process builds the seeded model on its host; SPMD has one process per host, so that is once a host.
     model = create_model(config, rank=0, rank0_only=False)
+    freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     root = parallelize(model, plan, runtime, layer_classes, v1_kwargs)

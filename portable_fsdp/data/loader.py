@@ -46,7 +46,7 @@ def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) 
             f"index past the embedding: set model.vocab_size >= {tokenizer.vocab_size}"))
     tokens = tokenizer.encode_documents(read_documents(data_cfg.source, data_cfg.text_column))
     window = data_cfg.seq_len + 1
-    n_sequences = (len(tokens) - 1) // data_cfg.seq_len
+    n_sequences = max(0, (len(tokens) - 1) // data_cfg.seq_len)
     n_eval = max(1, int(n_sequences * data_cfg.eval_fraction))
     if n_sequences - n_eval < min_train_sequences:
         raise UserError("data.source", (

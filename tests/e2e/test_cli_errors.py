@@ -120,6 +120,29 @@ def test_bad_input_is_one_exact_line(capsys, tmp_path, args, expected):
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+def test_master_port_in_use(capsys, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        code, err = run_main(capsys, "--workdir", str(tmp_path / "w"))
+    assert code == 2
+    assert err == [f"error: MASTER_PORT: port {port} is already in use; unset MASTER_PORT to take a free port, "
+                   "or give another"]
+
+
+def test_empty_dataset(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err = run_main(capsys, "--workdir", str(tmp_path / "w"), f"--config.data.source={empty}")
+    assert code == 2
+    assert err == [f"error: data.source: {empty} gives 0 tokens = 0 sequences of data.seq_len=64, too few for 1 eval "
+                   "sequences and one global batch of 4; use more text or a shorter data.seq_len"]
+
+
 def test_malformed_fsdp_config(capsys, tmp_path):
     bad = tmp_path / "fsdp.json"
     bad.write_text('{"version": 2, "reshard_after_forward": tru}')

@@ -154,3 +154,13 @@ def test_a_signal_saves_a_checkpoint_stops_every_worker_and_leaves_no_orphans(tm
     assert latest is not None and checkpointing.verify(latest)["step"] >= 3
     time.sleep(1)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_full_checkpoint_resumes_on_another_world_size(tmp_path, straight):
+    first = cli(BASE + ["--workdir", str(tmp_path), "--config.train.stop_at_step=10"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true", "--nproc", "4"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 21))
+    assert all(abs(got[s] - straight[s]) <= 1e-5 * straight[s] for s in range(11, 21))  # 4 ranks sum in another order
