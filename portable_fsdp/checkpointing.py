@@ -97,18 +97,24 @@ def _prune(workdir: pathlib.Path, keep_last_n: int) -> None:
             shutil.rmtree(old)
 
 
-def mark_best(workdir: pathlib.Path, checkpoint: pathlib.Path) -> None:
-    """Rank 0 only: remember the checkpoint with the best eval_loss (pruning spares it)."""
+def mark_best(workdir: pathlib.Path, checkpoint: pathlib.Path, record: dict) -> None:
+    """Rank 0 only: remember the checkpoint with the best eval_loss (pruning spares it). `record`
+    (eval_loss, step, evals without improvement) lets a resumed run go on comparing against it."""
     pointer = root(workdir) / "best"
     tmp = pointer.with_suffix(".tmp")
-    tmp.write_text(pathlib.Path(checkpoint).name + "\n")
+    tmp.write_text(json.dumps({"checkpoint": pathlib.Path(checkpoint).name, **record}) + "\n")
     _fsync(tmp)
     os.replace(tmp, pointer)
 
 
-def best(workdir: pathlib.Path) -> pathlib.Path | None:
+def best_record(workdir: pathlib.Path) -> dict | None:
     pointer = root(workdir) / "best"
-    return root(workdir) / pointer.read_text().strip() if pointer.exists() else None
+    return json.loads(pointer.read_text()) if pointer.exists() else None
+
+
+def best(workdir: pathlib.Path) -> pathlib.Path | None:
+    record = best_record(workdir)
+    return root(workdir) / record["checkpoint"] if record else None
 
 
 def latest(workdir: pathlib.Path) -> pathlib.Path | None:

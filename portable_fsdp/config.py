@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import ast
 import difflib
 import importlib
 import importlib.util
@@ -198,12 +197,7 @@ def parse_value(raw: str, current, field: str):
             return value
         if kind is str:
             return raw
-        if kind in (list, tuple):
-            value = ast.literal_eval(raw)
-            if not isinstance(value, (list, tuple)):
-                raise ValueError
-            return kind(value)
-    except (ValueError, SyntaxError):
+    except ValueError:
         article = "an" if kind.__name__[0] in "aeiou" else "a"
         raise UserError(field, f"expects {article} {kind.__name__}, got {raw!r}") from None
     raise UserError(field, f"cannot be set from the command line (type {kind.__name__})")

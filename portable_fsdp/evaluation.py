@@ -34,7 +34,8 @@ def evaluate(backend, state, batches, eval_step=None, compute_metrics=None) -> d
             predictions.append(out["predictions"])
             labels.append(out["labels"])
     if tokens == 0:
-        raise ValueError("evaluation saw no label tokens")
+        raise UserError("data.eval_fraction", "the eval split has no label tokens; give it more text "
+                        "(a larger data.eval_fraction or more data)")
     eval_loss = loss_sum / tokens
     result = {"eval_loss": eval_loss, "eval_tokens": tokens, "perplexity": math.exp(min(eval_loss, 50.0))}
     if compute_metrics is not None:

@@ -8,6 +8,7 @@ import pathlib
 import socket
 import sys
 import uuid
+import warnings
 
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.data.loader import build_token_data
@@ -22,6 +23,9 @@ def under_torchrun() -> bool:
 def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path):
     """Every check that can be made without starting a worker."""
     plan = resolve_plan(config, world_size)
+    if backend_name != "xla" and (plan.xla.xla or plan.xla.xla_fsdp_settings):
+        warnings.warn(f"plan.xla / plan.xla_fsdp_settings apply to --backend xla only; --backend {backend_name} "
+                      "ignores them", stacklevel=2)
     if plan.mesh.cp_size > 1:
         impl = plan.resolved_cp_impl("cuda" if backend_name == "cuda" else "cpu")
         if impl == "torch" and config.data.document_masking:
@@ -60,7 +64,8 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
         from portable_fsdp.backends.xla.launch import start as start_xla
 
         return start_xla(config, spec, workdir, nproc, preflight)
-    if under_torchrun():
+    if under_torchrun():  # every rank checks (cheap, deterministic) before any collective starts
+        preflight(config, backend_name, int(os.environ["WORLD_SIZE"]), workdir)
         worker.main(spec)
         return 0
     preflight(config, backend_name, nproc, workdir)
@@ -124,8 +129,8 @@ def _report_failure(err) -> int:
     failures = err.failures
     reported = (UserError.exit_code, TrainingDiverged.exit_code, Interrupted.exit_code)  # printed by workers
     codes = {f.exitcode for f in failures.values()}
-    if len(codes) == 1 and codes <= set(reported):
-        return codes.pop()
+    if codes <= set(reported):
+        return max(codes)
     rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode not in reported), key=lambda x: x[0])
     message = failure.message
     if isinstance(message, dict):

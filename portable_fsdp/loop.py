@@ -76,7 +76,11 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
     peak = backend.peak_flops(state)
     clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
-    saved, evaluated, best, stop_reason, skipped = None, None, _Best(), None, 0
+    saved, evaluated, stop_reason, skipped = None, None, None, 0
+    best = _Best()
+    if t.resume and checkpointing.best_record(workdir):  # keep comparing against the best before the stop
+        record = checkpointing.best_record(workdir)
+        best = _Best(record["eval_loss"], record["step"], record["evals_without_improvement"])
     for step in range(start, t.steps):
         began = time.perf_counter()
         state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
@@ -111,7 +115,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             stop_reason = "interrupted"
         due = (t.save_every and done % t.save_every == 0) or done == t.steps or stop_reason
         if due or (improved and t.load_best_model_at_end):
-            saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main, mark_best=improved)
+            saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main,
+                         best=dataclasses.asdict(best) if improved and t.load_best_model_at_end else None)
         if interrupted:
             progress.close()
             raise Interrupted(interrupt.requested or "a signal on another rank", saved)
@@ -140,7 +145,7 @@ def _resume(backend, state, path: pathlib.Path, config):
 
 
 def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
-         mark_best: bool = False) -> pathlib.Path:
+         best: dict | None = None) -> pathlib.Path:
     """Stage, write on every rank, then commit atomically on rank 0 (see portable_fsdp.checkpointing)."""
     rank = backend.placement(state).rank
     if is_main:
@@ -152,8 +157,8 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is
     backend.barrier(state)
     final = checkpointing.root(workdir) / f"step_{state.step:08d}"
     if is_main:
-        if mark_best:  # before the commit prunes, so the new best is spared
-            checkpointing.mark_best(workdir, final)
+        if best:  # before the commit prunes, so the new best is spared
+            checkpointing.mark_best(workdir, final, best)
         checkpointing.commit(workdir, state.step, info, keep_last_n)
     backend.barrier(state)
     return final

@@ -140,6 +140,10 @@ class ShardingPlan:
     def resolved_cp_impl(self, device_type: str) -> str:
         """`auto` takes torch's context_parallel on CUDA (its fused SDPA kernels), portable elsewhere."""
         impl = self.cp_impl if self.cp_impl != "auto" else ("torch" if device_type == "cuda" else "portable")
+        if impl == "torch" and not self.cp_load_balance:
+            raise UserError("plan.cp_load_balance", (
+                "= false is not supported by cp_impl=torch (torch's context_parallel always splits head-tail); "
+                "use plan.cp_impl=portable or keep plan.cp_load_balance=true"))
         if impl == "torch" and device_type != "cuda":
             raise UserError("plan.cp_impl", (
                 f"torch's context_parallel needs CUDA SDPA kernels and cannot run on {device_type}; "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import pathlib
 import sys
 
@@ -75,7 +76,9 @@ def main(argv=None) -> int:
         if nproc < 1:
             raise UserError("--nproc", f"must be at least 1 (got {nproc})")
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
-        workdir = pathlib.Path(args.workdir or f"runs/{recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        # Under torchrun every rank must name the same directory: its run id, not each rank's clock.
+        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        workdir = pathlib.Path(args.workdir or f"runs/{recipe}-{stamp}")
         from portable_fsdp import launch
 
         return launch.start(config, backend, workdir, nproc)

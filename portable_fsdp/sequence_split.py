@@ -2,7 +2,7 @@
 
 Load-balanced ("head-tail"): the sequence is cut into 2·cp chunks and rank r takes chunks r and
 2·cp−1−r, so every rank has the same amount of causal attention work. Contiguous: rank r takes the
-r-th of cp equal slices. Every backend shards a batch with these indices and undoes it with `unshard`.
+r-th of cp equal slices. Every backend shards a batch with these indices (and puts gathered shards back with `gathered_order`).
 """
 from __future__ import annotations
 
@@ -35,11 +35,3 @@ def shard_indices(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool =
 def gathered_order(seq_len: int, cp_size: int, load_balance: bool = True) -> np.ndarray:
     """Global positions of the concatenation of every rank's shard, rank 0 first."""
     return np.concatenate([shard_indices(seq_len, cp_size, r, load_balance) for r in range(cp_size)])
-
-
-def unshard(gathered: np.ndarray, cp_size: int, load_balance: bool = True, axis: int = 1) -> np.ndarray:
-    """Put rank-ordered shards (concatenated along `axis`) back into the original token order."""
-    order = gathered_order(gathered.shape[axis], cp_size, load_balance)
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
-    return np.take(gathered, inverse, axis=axis)

@@ -23,7 +23,8 @@ def plan_from_config(config) -> plan_lib.ShardingPlan:
         min_num_params=p.min_num_params,
         state_dict_type=plan_lib.parse_enum(plan_lib.StateDictType, p.state_dict_type, "plan.state_dict_type"),
         cpu_ram_efficient_loading=p.cpu_ram_efficient_loading,
-        activation_checkpointing=p.activation_checkpointing,
+        # HF's XLA spelling of the same request: honoured by every backend, not only xla.
+        activation_checkpointing=p.activation_checkpointing or p.xla_fsdp_grad_ckpt,
         mixed_precision=plan_lib.MixedPrecision(p.param_dtype, p.reduce_dtype),
         cp_rotate_method=p.cp_rotate_method,
         cp_impl=p.cp_impl,

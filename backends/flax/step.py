@@ -69,7 +69,9 @@ def check_lowerable(plan: ShardingPlan, platform: str, config) -> None:
         ("plan.auto_wrap_policy", plan.auto_wrap_policy.value, "TRANSFORMER_BASED_WRAP"),
         ("plan.cp_rotate_method", plan.cp_rotate_method, "allgather"),
         ("plan.cp_impl", plan.cp_impl, "auto"),
-        ("plan.cp_load_balance", plan.cp_load_balance, True)) if value != default]
+        ("plan.cp_load_balance", plan.cp_load_balance, True),
+        ("plan.reduce_dtype", plan.mixed_precision.reduce_dtype, "float32"),
+        ("plan.cpu_ram_efficient_loading", plan.cpu_ram_efficient_loading, False)) if value != default]
     if no_effect:
         warnings.warn(f"{', '.join(no_effect)}: no effect on --backend flax (XLA decides how the sharded "
                       "computation is scheduled)", stacklevel=2)

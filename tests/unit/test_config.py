@@ -231,9 +231,6 @@ def test_override_whole_section_is_refused(config, section):
     ("-1.5e-3", 0.0, -1.5e-3),
     ("", "x", ""),
     ("  spaced ", "x", "  spaced "),
-    ("[2, 3]", [1], [2, 3]),
-    ("(1,)", (0,), (1,)),
-    ("[4]", (0,), (4,)),
 ])
 def test_parse_value(raw, current, expected):
     value = parse_value(raw, current, "f")
@@ -247,9 +244,6 @@ def test_parse_value_refuses_non_finite_floats(raw):
 
 
 @pytest.mark.parametrize("raw, current, kind", [
-    ("3", [1], "list"),
-    ("[1", [1], "list"),
-    ("abc", (1,), "tuple"),
     ("2", False, "bool"),
     ("0x10", 0, "int"),
     ("1,5", 0.0, "float"),
@@ -260,7 +254,7 @@ def test_parse_value_refuses(raw, current, kind):
         parse_value(raw, current, "config.x")
 
 
-@pytest.mark.parametrize("current, kind", [(None, "NoneType"), ({"a": 1}, "dict")])
+@pytest.mark.parametrize("current, kind", [(None, "NoneType"), ({"a": 1}, "dict"), ([1], "list")])
 def test_parse_value_unsupported_type(current, kind):
     with user_error("config.x", f"cannot be set from the command line (type {kind})"):
         parse_value("1", current, "config.x")

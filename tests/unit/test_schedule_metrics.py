@@ -122,7 +122,7 @@ def test_evaluate_caps_perplexity():
 
 @pytest.mark.parametrize("outputs", [[(0, 0.0)], []])
 def test_evaluate_zero_tokens_raises(outputs):
-    with pytest.raises(ValueError, match="no label tokens"):
+    with pytest.raises(evaluation.UserError, match="no label tokens"):
         evaluation.evaluate(FakeBackend(outputs), None, range(len(outputs)))
 
 

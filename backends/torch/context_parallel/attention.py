@@ -2,11 +2,12 @@
 
 Inputs are the local shards: q [b, h, Lc, d], k/v [b, hkv, Lc, d], plus the global token index of every
 local position (and optional document ids), so the causal/document mask is exact whatever the split.
-- allgather: K/V gathered over the cp group (autograd: reduce-scatter of their gradients).
+- allgather: K/V gathered over the cp group (autograd: reduce-scatter of their gradients), then one
+  SDPA call with the exact mask.
 - ring ("alltoall"): K/V blocks travel round the group; partial results merge with the online softmax,
-  statistics in fp32; backward passes the blocks round again with their dK/dV accumulators.
-Both compute in fp32, query rows in chunks, and keep only q/k/v/out/log-sum-exp for backward
-(probabilities are recomputed), so memory grows with chunk x sequence, not sequence^2.
+  statistics in fp32; backward passes the blocks round again with their dK/dV accumulators. It computes
+  in fp32 with query rows in chunks and keeps only q/k/v/out/log-sum-exp for backward (probabilities
+  are recomputed), so its memory grows with chunk x block, not block^2.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from portable_fsdp.backends.torch.context_parallel.collectives import Exchange, gather_sequence, gather_sequence_no_grad
 
@@ -102,34 +104,18 @@ def _weight(part_lse, total_lse) -> torch.Tensor:
     return torch.where(torch.isfinite(part_lse), torch.exp(part_lse - total_lse), 0.0)[..., None]
 
 
-class _GatheredAttention(torch.autograd.Function):
-    """Attention over the gathered K/V, saving only q/k/v/out/lse (probabilities are recomputed)."""
-
-    @staticmethod
-    def forward(ctx, q, k_all, v_all, layout: ShardLayout, kv_segments, scale: float):
-        kv_index = torch.cat(layout.index_of_rank)
-        out, lse = _attend_block(q.float(), k_all, v_all, layout.q_index, kv_index, layout.segments, kv_segments, scale)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.layout, ctx.kv_segments, ctx.scale, ctx.kv_index = layout, kv_segments, scale, kv_index
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
-        dout = grad_out.float()
-        delta = (dout * out).sum(-1, keepdim=True)
-        dq, dk, dv = _block_grads(q.float(), dout, delta, lse, k_all, v_all, ctx.layout.q_index, ctx.kv_index,
-                                  ctx.layout.segments, ctx.kv_segments, ctx.scale)
-        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None
-
-
 def allgather_attention(q, k, v, layout: ShardLayout, scale: float) -> torch.Tensor:
+    """One SDPA call over the gathered K/V with the exact mask (its fused CPU/CUDA kernels take a boolean
+    mask and keep memory linear in the sequence)."""
     k_all = gather_sequence(k, layout.group)
     v_all = gather_sequence(v, layout.group)
     kv_segments = None
     if layout.segments is not None:
         kv_segments = gather_sequence_no_grad(layout.segments, layout.group, dim=1)
-    return _GatheredAttention.apply(q, k_all, v_all, layout, kv_segments, scale)
+    mask = block_mask(layout.q_index, torch.cat(layout.index_of_rank), layout.segments, kv_segments)
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _repeat_kv(k_all, n_rep), _repeat_kv(v_all, n_rep),
+                                          attn_mask=mask, scale=scale)
 
 
 class _RingAttention(torch.autograd.Function):
