@@ -108,3 +108,18 @@ def test_stop_at_step_then_resume_continues_where_it_stopped(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == list(range(1, 11))
+
+
+def test_the_best_eval_loss_survives_a_resume(tmp_path):
+    run(tmp_path, ScriptedBackend([1.0, 2.0]), steps=8, eval_every=2, load_best_model_at_end=True, stop_at_step=4)
+    assert checkpointing.best(tmp_path).name == "step_00000002"
+    resumed = ScriptedBackend([3.0, 4.0])  # worse than the 1.0 seen before the stop
+    result = run(tmp_path, resumed, steps=8, eval_every=2, load_best_model_at_end=True, resume=True)
+    assert checkpointing.best(tmp_path).name == "step_00000002"
+    assert resumed.loaded == ["step_00000004", "step_00000002"]  # resume, then the best at the end
+    assert "step 2, eval_loss 1.0000" in result["best model"]
+
+
+def test_checkpoints_are_marked_best_only_when_asked(tmp_path):
+    run(tmp_path, ScriptedBackend([3.0, 1.0]), steps=4, eval_every=2)
+    assert checkpointing.best(tmp_path) is None
