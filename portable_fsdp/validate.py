@@ -13,6 +13,10 @@ from portable_fsdp.sequence_split import check_divisible
 
 def plan_from_config(config) -> plan_lib.ShardingPlan:
     p = config.plan
+    if p.xla_fsdp_grad_ckpt and config.train.gradient_checkpointing:  # name the field the user set
+        raise UserError("plan.xla_fsdp_grad_ckpt", (
+            "is on together with train.gradient_checkpointing; they recompute the same activations twice: keep "
+            "plan.xla_fsdp_grad_ckpt and set train.gradient_checkpointing=false"))
     plan = plan_lib.ShardingPlan(
         mesh=plan_lib.MeshSpec(p.fsdp_size, p.cp_size, p.tp_size, p.ep_size, p.sp_size),
         reshard_after_forward=p.reshard_after_forward,

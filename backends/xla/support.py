@@ -16,10 +16,6 @@ def check_plan(plan: ShardingPlan, config, device: str, nproc: int) -> None:
         raise UserError("plan.cpu_offload", (
             "torch_xla's FSDP (SPMD FSDPv2 and XlaFullyShardedDataParallel) cannot keep parameters or optimizer "
             "state in host memory; set plan.cpu_offload=false (or use --backend cpu / cuda for CPU offload)"))
-    if plan.xla.xla_fsdp_grad_ckpt and config.train.gradient_checkpointing:
-        raise UserError("plan.xla_fsdp_grad_ckpt", (
-            "and train.gradient_checkpointing are both on; they recompute the same activations twice: keep "
-            "plan.xla_fsdp_grad_ckpt and set train.gradient_checkpointing=false"))
     check_launch(v2, device, nproc)
     if v2:
         _check_spmd(plan, config)
