@@ -124,6 +124,16 @@ def _elastic_launch(spec: dict, nproc: int) -> int:
     return 0
 
 
+def _message(failure) -> str:
+    message = failure.message
+    return message.get("message", "") if isinstance(message, dict) else str(message)
+
+
+def _lost_peer(failure) -> bool:
+    text = _message(failure)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
 def _report_failure(err) -> int:
     """Workers print their own `error:` line for user errors (exit 2); anything else is named here."""
     failures = err.failures
@@ -131,10 +141,11 @@ def _report_failure(err) -> int:
     codes = {f.exitcode for f in failures.values()}
     if codes <= set(reported):
         return max(codes)
-    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode not in reported), key=lambda x: x[0])
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
+    # The root cause is the earliest failure that is not a lost connection: once one rank dies, the
+    # others fail on the closed connection to it (timestamps only have whole seconds).
+    rank, failure = min(((r, f) for r, f in failures.items() if f.exitcode not in reported),
+                        key=lambda item: (_lost_peer(item[1]), item[1].timestamp, item[0]))
+    message = _message(failure)
     first = (str(message).strip().splitlines() or ["(no message)"])[-1]
     if failure.exitcode < 0:
         first = f"killed by signal {-failure.exitcode}"
