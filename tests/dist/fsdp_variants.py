@@ -48,6 +48,8 @@ VARIANTS = {
     "documents_cp2_alltoall": {"data.document_masking": "true", "plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
     "tied_rank0_loading": {"model.tie_word_embeddings": "true", "plan.cpu_ram_efficient_loading": "true"},
 }
+# The plain FSDP variants (2 ranks, no context parallelism): tests/dist/test_fsdp_parity.py.
+FSDP_VARIANTS = [name for name, overrides in VARIANTS.items() if "plan.cp_size" not in overrides]
 
 
 def make_config(overrides: dict):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.dist.fsdp_variants import VARIANTS, make_config
+from tests.dist.fsdp_variants import FSDP_VARIANTS, VARIANTS, make_config
 from tests.parity.reference import max_relative_difference, reference_losses
 
 STEPS = 20
@@ -21,7 +21,7 @@ def variant_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("variants") / "results.json"
     script = os.path.join(os.path.dirname(__file__), "fsdp_variants.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           script, str(out), str(STEPS), *VARIANTS], capture_output=True, text=True, timeout=900,
+                           script, str(out), str(STEPS), *FSDP_VARIANTS], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -39,7 +39,7 @@ def reference_for(name: str) -> list:
     return _references[key]
 
 
-@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "bf16"])
+@pytest.mark.parametrize("name", [n for n in FSDP_VARIANTS if n != "bf16"])
 def test_fp32_losses_match_single_process(variant_results, name):
     losses = variant_results[name]["losses"]
     assert len(losses) == STEPS
@@ -52,7 +52,7 @@ def test_bf16_mixed_precision_is_applied_and_close(variant_results):
     assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", FSDP_VARIANTS)
 def test_parameters_are_sharded_over_both_ranks(variant_results, name):
     result = variant_results[name]
     assert result["all_dtensor"]
