@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from portable_fsdp.backends.torch.cpu_collectives import use_all_to_all_reduce_scatter
+from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
 from portable_fsdp.plan import ShardingPlan, WrapPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,8 +55,8 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple,
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if device_type == "cpu":
-        use_all_to_all_reduce_scatter([*units, model])
+    if device_type == "cpu" and mesh.size() > 1:
+        use_cpu_collectives([*units, model], mesh.get_group())
 
 
 def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:

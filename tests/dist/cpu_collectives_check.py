@@ -1,0 +1,55 @@
+"""Run under torchrun: our CPU collectives (backends/torch/cpu_collectives.py) against gloo's, used the way
+FSDP2 uses them, several times with other sizes (the buffers alternate and grow). Writes
+{case: max abs difference over ranks} from rank 0 to argv[1], and the shared files left behind."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from portable_fsdp.backends.torch.cpu_collectives import (SHM_DIR, AllToAllReduceScatter, SharedMemoryAllGather,
+                                                          SharedMemoryReduceScatter)
+
+
+def worst(difference: torch.Tensor) -> float:
+    value = torch.tensor(difference.abs().max().item())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    before = set(os.listdir(SHM_DIR))
+    gather, reduce_scatters = SharedMemoryAllGather(group), {"all_to_all": AllToAllReduceScatter(),
+                                                            "shared": SharedMemoryReduceScatter(group)}
+    results = {}
+    for round_, chunk in enumerate((1000, 3000, 500, 3000)):
+        generator = torch.Generator().manual_seed(100 * round_ + rank)
+        full, shard = torch.randn(world * chunk, generator=generator), torch.randn(chunk, generator=generator)
+        output = gather.allocate((world * chunk,), dtype=torch.float32, device=torch.device("cpu"))
+        output.narrow(0, rank * chunk, chunk).copy_(shard)  # FSDP2's copy-in
+        gather(output, output.narrow(0, rank * chunk, chunk), group)
+        expected = torch.empty(world * chunk)
+        dist.all_gather_into_tensor(expected, shard)
+        results[f"all_gather/{round_}"] = worst(output - expected)
+        for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
+            expected = torch.empty(chunk)
+            # gloo has no AVG reduce-scatter: compare with the sum, divided
+            dist.reduce_scatter_tensor(expected, full.clone(), op=dist.ReduceOp.SUM if op_name == "avg" else op)
+            if op_name == "avg":
+                expected /= world
+            for name, comm in reduce_scatters.items():
+                ours = comm.allocate((chunk,), dtype=torch.float32, device=torch.device("cpu"))
+                comm(ours, full.clone(), group, op)
+                results[f"{name}/{op_name}/{round_}"] = worst(ours - expected)
+    dist.barrier()
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"differences": results, "left_in_shm": sorted(set(os.listdir(SHM_DIR)) - before)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
