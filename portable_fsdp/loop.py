@@ -76,6 +76,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
     peak = backend.peak_flops(state)
     clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
+    bookkeeping = 0.0  # seconds of logging, metrics and progress bar between steps (eval and saves excluded)
     saved, evaluated, stop_reason, skipped = None, None, None, 0
     best = _Best()
     if t.resume and checkpointing.best_record(workdir):  # keep comparing against the best before the stop
@@ -100,6 +101,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
                        "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
                        "epoch": batches.epoch_of(done), **backend.memory_report(state)})
             window = []
+        bookkeeping += time.perf_counter() - began - seconds
         improved = False
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluated = {"step": done, **evaluate(backend, state, evals, compute_metrics=metrics_fn)}
@@ -126,9 +128,14 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
         state = _resume(backend, state, checkpointing.best(workdir), config)
+    if step_times:
+        log.write({"step": end_step, "event": "end", "step_seconds_median": statistics.median(step_times),
+                   "bookkeeping_fraction": bookkeeping / sum(step_times)})
     log.close()
     result = _summary(backend_name, where, start, end_step, clock.seconds(), step_times, first_loss, last,
                       evaluated, saved, model_flops, peak, config)
+    if step_times:
+        result["logging overhead"] = f"{100 * bookkeeping / sum(step_times):.2f}% of step time"
     if stop_reason:
         result["stopped"] = stop_reason
     if t.load_best_model_at_end and best.step:

@@ -45,6 +45,7 @@ class Context:
     cp: CPGroup | None
     info: ModelInfo
     schedule: object
+    baseline_mb: float  # this process's memory before the model existed (libraries, process group)
 
     @property
     def counts_tokens(self) -> bool:
@@ -62,7 +63,8 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
-    info = model_lib.describe_model(config)
+    info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
+    baseline_mb = _memory_now_mb(runtime.device)
     layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
     meshes = build_meshes(plan.mesh, runtime.device.type)
     cp = None
@@ -82,7 +84,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if rank0_only:
         model_lib.broadcast_from_rank0(model, full_weights, torch.device("cpu") if plan.cpu_offload else runtime.device)
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train)
-    return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train)))
+    return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train),
+                                                          baseline_mb))
 
 
 def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids) -> torch.Tensor:
@@ -195,7 +198,7 @@ def _gather_data_parallel(full_length: torch.Tensor, ctx: Context) -> torch.Tens
 
 
 def _state_bytes(state: TrainState) -> int:
-    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    """Bytes of parameters and optimizer state held by this rank."""
     total = 0
     for p in state.model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -208,23 +211,44 @@ def _state_bytes(state: TrainState) -> int:
     return total
 
 
+def _gradient_bytes(state: TrainState) -> int:
+    """Bytes of this rank's gradient shards (one per trainable parameter shard, in its dtype), held from
+    the backward to the update; freed in between, so counted rather than read."""
+    total = 0
+    for p in state.model.parameters():
+        if p.requires_grad:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _memory_now_mb(device: torch.device) -> float:
+    """Allocated device memory on CUDA; the resident set of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def memory_report(state: TrainState) -> dict:
-    """Per-rank memory in MiB (a collective: every rank must call it)."""
+    """Per-rank memory in MiB (a collective: every rank must call it). `state_mb`: parameters and optimizer
+    state this rank holds; `grad_mb`: its gradients during a step; `base_mem_mb`: what the process held
+    before the model existed (libraries, process group)."""
     device = state.ctx.runtime.device
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
-        current = torch.cuda.memory_allocated(device) / 2**20
     else:
-        import psutil
-
-        current = psutil.Process().memory_info().rss / 2**20
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    mine = torch.tensor([current, peak, _state_bytes(state) / 2**20], dtype=torch.float64, device=device)
+    mine = torch.tensor([_memory_now_mb(device), peak, _state_bytes(state) / 2**20, _gradient_bytes(state) / 2**20,
+                         state.ctx.baseline_mb],
+                        dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = np.array([g.tolist() for g in gathered])
     return {"mem_mb": rows[:, 0].round(1).tolist(), "peak_mem_mb": rows[:, 1].round(1).tolist(),
-            "state_mb": rows[:, 2].round(2).tolist()}
+            "state_mb": rows[:, 2].round(2).tolist(), "grad_mb": rows[:, 3].round(2).tolist(),
+            "base_mem_mb": rows[:, 4].round(1).tolist()}
 
 
 def peak_flops_per_device(device: torch.device) -> float:

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import pathlib
+import time
 
 from portable_fsdp import checkpointing, loop
 from portable_fsdp.config import apply_override, load_recipe
@@ -69,6 +70,7 @@ class ScriptedBackend:
 
 
 def run(tmp_path, backend, **train):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = load_recipe("llama_tiny:test")
     overrides = {"eval_max_batches": 1, "eval_batch_size": 1, "log_every": 1, **train}
     for key, value in overrides.items():
@@ -123,3 +125,29 @@ def test_the_best_eval_loss_survives_a_resume(tmp_path):
 def test_checkpoints_are_marked_best_only_when_asked(tmp_path):
     run(tmp_path, ScriptedBackend([3.0, 1.0]), steps=4, eval_every=2)
     assert checkpointing.best(tmp_path) is None
+
+
+class SlowLoggingBackend(ScriptedBackend):
+    """train_step takes ~20 ms and every memory report (made for each log record) ~10 ms."""
+
+    def train_step(self, state, micro_batches):
+        time.sleep(0.02)
+        return super().train_step(state, micro_batches)
+
+    def memory_report(self, state):
+        time.sleep(0.01)
+        return super().memory_report(state)
+
+
+def end_record(tmp_path):
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in records if r.get("event") == "end")
+
+
+def test_the_time_logging_takes_is_measured_against_the_step_time(tmp_path):
+    result = run(tmp_path / "every", SlowLoggingBackend([1.0]), steps=10, eval_every=0, log_every=1)
+    every = end_record(tmp_path / "every")["bookkeeping_fraction"]
+    assert 0.3 <= every <= 1.0  # ~10 ms of logging per ~20 ms step
+    assert "% of step time" in result["logging overhead"]
+    run(tmp_path / "rare", SlowLoggingBackend([1.0]), steps=10, eval_every=0, log_every=100)
+    assert end_record(tmp_path / "rare")["bookkeeping_fraction"] < 0.2  # one record, at the last step
