@@ -1,10 +1,13 @@
 """Running the CLI as a user would and reading back its metrics, for the benchmark scripts."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,15 +15,51 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_cli(args: list, nproc: int, timeout: int = 900) -> list:
+def run_python(args: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repo root. On a timeout (or Ctrl-C) its whole process group is killed: the
+    workers our launcher starts are grandchildren, which killing the launcher alone would leave running."""
+    with subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True, env={**os.environ, "USE_TORCH_XLA": "0", **(env or {})}) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):  # the group may have ended by itself meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(args: list, nproc: int, timeout: float = 900) -> list:
     """Run `python -m portable_fsdp.run` in a fresh workdir; returns its metrics records (raises on failure)."""
     with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.run([sys.executable, "-m", "portable_fsdp.run", "--workdir", workdir, "--nproc", str(nproc),
-                               "--config.train.progress_bar=false", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout, env={**os.environ, "USE_TORCH_XLA": "0"})
+        proc = run_python(["-m", "portable_fsdp.run", "--workdir", workdir, "--nproc", str(nproc),
+                           "--config.train.progress_bar=false", *args], timeout)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
         return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, module_args: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run` of a benchmark worker module; raises with the worker's error line."""
+    proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+                       "-m", *module_args], timeout, env)
+    if proc.returncode != 0:
+        raise RuntimeError(error_line(proc.stderr))
+    return proc
+
+
+def error_line(stderr: str) -> str:
+    """A worker's exception line: torchrun ends stderr with its own failure summary, which names none."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if ("Error" in line.split(":")[0] or "Exception" in line.split(":")[0])
+              and "ChildFailedError" not in line]
+    return (errors or lines or ["failed"])[-1]
 
 
 def machine() -> dict:

@@ -1,0 +1,260 @@
+"""On one H200 (or more): `--backend cuda` training of a ~1B Llama in bf16, and context parallelism with
+cp_impl=torch against cp_impl=portable at a long sequence. Made to finish within 8 minutes.
+
+On the GPU machine (nothing is downloaded there; torch and transformers are assumed, and the two pure-python
+wheels our config needs are shipped in benchmarks/gpu_wheels):
+
+    pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py && python -m benchmarks.gpu
+
+Without a GPU, the same code with a tiny model on `--backend cpu`:  python -m benchmarks.gpu --dry-run-cpu
+
+1. Training: `python -m portable_fsdp.run --backend cuda --nproc 1`, bf16 parameters and reductions (FSDP2 mixed
+   precision), a few steps; tokens/s and MFU of the median step after the first (our formula,
+   portable_fsdp.metrics.flops_per_token, against ~790 TFLOP/s of dense bf16 on an H200, and against its spec sheet),
+   peak torch.cuda.max_memory_allocated.
+2. Context parallelism needs cp_size >= 2 ranks, and NCCL will not put two ranks on one GPU. With >= 2 GPUs:
+   full training steps with --nproc 2 --config.plan.cp_size=2 for each setting. With one GPU: in a process of
+   its own, a 1-rank process group (so no communication), one decoder layer of the same model at the long
+   sequence, forward + backward through the step's own pieces (apply_context_parallel, sequence_shard,
+   token_loss_sum): the per-rank attention compute and memory of each implementation.
+
+Results: two tables, and JSON in benchmarks/results/gpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import ROOT, error_line, machine, run_cli, run_python, table, write_json
+
+INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py"
+BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
+TRAIN_S, CP_RUN_S, ONE_RANK_S = 240, 150, 90  # each sub-run's own limit
+# MFU's denominator on an H200: the ~790 TFLOP/s of dense bf16 the issue fixes (what large GEMMs sustain); the
+# spec sheets say 989 (SXM) / 836 (NVL), also reported. Other GPUs: the run measures a matmul.
+PEAK_BF16 = 7.9e14
+SPEC_BF16 = {"H200 NVL": 8.36e14, "H200": 9.89e14}
+# On one rank the ring ("alltoall") still passes its dK/dV round, to itself: NCCL allows that, gloo (the
+# dry run) does not, so that dry-run row fails.
+CP_SETTINGS = [("torch", "allgather"), ("portable", "allgather"), ("portable", "alltoall")]
+SIZES = {
+    # 22 layers of hidden 2048 (MLP 5632, 16 query / 8 kv heads of 128): ~1.04B parameters.
+    "gpu": dict(hidden=2048, intermediate=5632, layers=22, heads=16, kv_heads=8, seq_len=2048, batch=8, steps=10,
+                long_seq=32768, cp_steps=4, repeats=3),
+    "cpu": dict(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, seq_len=64, batch=2, steps=4,
+                long_seq=256, cp_steps=3, repeats=2),
+}
+
+
+def model_flags(size: dict, layers: int | None = None) -> list:
+    return [f"--config.model.hidden_size={size['hidden']}",
+            f"--config.model.intermediate_size={size['intermediate']}",
+            f"--config.model.num_hidden_layers={layers or size['layers']}",
+            f"--config.model.num_attention_heads={size['heads']}",
+            f"--config.model.num_key_value_heads={size['kv_heads']}",
+            f"--config.model.max_position_embeddings={size['long_seq']}"]
+
+
+def run_flags(size: dict, backend: str, peak: float, seq_len: int, batch: int, steps: int) -> list:
+    return ["--backend", backend, *model_flags(size), "--config.plan.param_dtype=bfloat16",
+            "--config.plan.reduce_dtype=bfloat16", f"--config.data.seq_len={seq_len}",
+            f"--config.train.batch_size={batch}", f"--config.train.eval_batch_size={batch}",
+            f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
+            "--config.train.eval_max_batches=1", "--config.train.warmup_steps=1", "--config.train.lr=3e-4",
+            f"--config.train.peak_flops_per_device={peak}"]
+
+
+def build_config(flags: list):
+    """The config `python -m portable_fsdp.run FLAGS` would run, parsed by the CLI's own code."""
+    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.run import parse_args
+
+    config = load_recipe(None)
+    for key, value in parse_args(flags)[1]:
+        apply_override(config, key, value)
+    return config
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def timeout(self, limit: float) -> float:
+        left = self.end - time.monotonic()
+        if left < 30:
+            raise TimeoutError("not run: the time budget is spent")
+        return min(limit, left)
+
+
+def attempt(measure, *args) -> dict:
+    """One sub-run; its failure becomes that row's one-line error, not the end of the benchmark."""
+    try:
+        return measure(*args)
+    except subprocess.TimeoutExpired as err:
+        return {"error": f"timed out after {err.timeout:.0f} s"}
+    except (RuntimeError, TimeoutError) as err:
+        return {"error": str(err)}
+
+
+def steady(records: list, tokens_per_step: int) -> dict:
+    """Medians over the steps after the first (which pays for allocation and kernel selection)."""
+    steps = [r for r in records if "loss" in r][1:]
+    tokens_per_sec = statistics.median(r["tokens_per_sec"] for r in steps)
+    return {"step_ms": 1000 * tokens_per_step / tokens_per_sec, "tokens_per_sec": tokens_per_sec,
+            "mfu": statistics.median(r["mfu"] for r in steps),
+            "peak_mem_mb": max(max(r["peak_mem_mb"]) for r in steps)}
+
+
+def cell(result: dict, key: str, fmt: str) -> str:
+    return fmt.format(result[key]) if key in result else "-"
+
+
+def train(size: dict, backend: str, peak: float, budget: Budget) -> dict:
+    records = run_cli(run_flags(size, backend, peak, size["seq_len"], size["batch"], size["steps"]), nproc=1,
+                      timeout=budget.timeout(TRAIN_S))
+    return steady(records, size["seq_len"] * size["batch"])
+
+
+def cp_ranks(impl: str, method: str, size: dict, backend: str, peak: float, budget: Budget) -> dict:
+    flags = run_flags(size, backend, peak, size["long_seq"], 1, size["cp_steps"])
+    flags += ["--config.plan.cp_size=2", f"--config.plan.cp_impl={impl}", f"--config.plan.cp_rotate_method={method}"]
+    return steady(run_cli(flags, nproc=2, timeout=budget.timeout(CP_RUN_S)), size["long_seq"])
+
+
+def cp_one_rank(impl: str, method: str, size: dict, backend: str, peak: float, budget: Budget) -> dict:
+    """In a child process, so that an out-of-memory or a hang costs one row and the timeout can end it."""
+    dry = ["--dry-run-cpu"] if backend == "cpu" else []
+    proc = run_python(["-m", "benchmarks.gpu", "--one-rank-cp", f"{impl},{method}", *dry], budget.timeout(ONE_RANK_S))
+    if proc.returncode != 0:
+        raise RuntimeError(error_line(proc.stderr))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict:
+    """The child's work: forward + backward of one decoder layer at the long sequence on a 1-rank cp group."""
+    import numpy as np
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from portable_fsdp.backends.torch import distributed, model as model_lib
+    from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
+    from portable_fsdp.backends.torch.step import token_loss_sum
+    from portable_fsdp.data.loader import Batch
+    from portable_fsdp.plan import ShardingPlan
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    runtime = distributed.initialize(backend, 300)
+    device = runtime.device
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("cp",))
+    # The plan's own check: on CPU it refuses cp_impl=torch with its one-line reason.
+    cp = CPGroup(group=mesh.get_group(), mesh=mesh, cp_rank=0, cp_size=1, rotate_method=method,
+                 impl=ShardingPlan(cp_impl=impl).resolved_cp_impl(device.type), load_balance=True)
+    config = build_config(model_flags(size, layers=1))
+    model = model_lib.create_model(config, 0, False)
+    apply_context_parallel(model, cp)
+    model.to(device, torch.bfloat16)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (1, size["long_seq"] + 1))
+    batch = Batch(input_ids=tokens[:, :-1].copy(), labels=tokens[:, 1:].copy())
+    times = []
+    for _ in range(1 + size["repeats"]):  # the first pass pays for kernel selection and allocation
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with sequence_shard(cp, batch, device) as (input_ids, labels, positions):
+            token_loss_sum(model, input_ids, labels, positions).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
+    distributed.shutdown()
+    return {"step_ms": 1000 * statistics.median(times[1:]), "peak_mem_mb": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run-cpu", action="store_true", help="tiny model on --backend cpu, to check the script")
+    parser.add_argument("--one-rank-cp", help=argparse.SUPPRESS)  # IMPL,METHOD: the child of cp_one_rank
+    args = parser.parse_args()
+    size, backend = (SIZES["cpu"], "cpu") if args.dry_run_cpu else (SIZES["gpu"], "cuda")
+    import torch
+
+    if backend == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: no CUDA device is visible; this benchmark needs a GPU (check it on CPU with --dry-run-cpu)")
+    if importlib.util.find_spec("ml_collections") is None:
+        sys.exit(f"error: ml_collections is not installed; run: {INSTALL}")
+    if args.one_rank_cp:
+        from portable_fsdp.errors import UserError
+
+        try:
+            print(json.dumps(one_rank_attention(*args.one_rank_cp.split(","), size, backend)))
+        except UserError as err:
+            sys.exit(err.line())
+        return
+
+    from portable_fsdp.backends.torch.model import describe_model
+
+    budget = Budget(BUDGET_S)
+    gpu = torch.cuda.get_device_name(0) if backend == "cuda" else None
+    spec = next((value for name, value in SPEC_BF16.items() if name in (gpu or "")), 0.0)
+    peak = PEAK_BF16 if spec else 0.0
+    n_params = describe_model(build_config(model_flags(size))).n_params
+    # A GPU machine runs the mode its GPU count allows; the dry run checks both.
+    modes = ["ranks", "one-rank"] if args.dry_run_cpu else ["ranks" if torch.cuda.device_count() >= 2 else "one-rank"]
+    what = {"ranks": f"full training steps, --nproc 2 cp_size=2, {size['layers']} layers",
+            "one-rank": "a 1-rank process group, no communication: fwd+bwd of one decoder layer"}
+    print(f"{gpu or 'CPU (dry run)'}, torch {torch.__version__}; model {n_params:,} parameters; peak "
+          f"{f'{peak:.3g} FLOP/s (spec sheet {spec:.3g})' if peak else 'measured by the run (a matmul)'}", flush=True)
+    print("context parallelism mode: " + "; ".join(f"{m} ({what[m]})" for m in modes), flush=True)
+
+    training = attempt(train, size, backend, peak, budget)
+    print(f"training: {training}", flush=True)
+    cp_results = []
+    for mode in modes:
+        measure = cp_ranks if mode == "ranks" else cp_one_rank
+        for impl, method in CP_SETTINGS:
+            result = {"mode": mode, "setting": f"{impl} {method}",
+                      **attempt(measure, impl, method, size, backend, peak, budget)}
+            print(f"context parallel: {result}", flush=True)
+            cp_results.append(result)
+
+    print(f"\nTraining: {n_params:,} parameters, seq {size['seq_len']} x batch {size['batch']}, bf16, 1 rank")
+    if spec and "mfu" in training:
+        training["mfu_vs_spec_sheet"] = training["mfu"] * peak / spec
+    print(table(["step (ms, median)", "tokens/s", f"MFU (vs {peak / 1e12:.0f} TFLOP/s)" if peak else "MFU",
+                 "MFU vs spec sheet", "peak MB", "error"],
+                [[cell(training, "step_ms", "{:.0f}"), cell(training, "tokens_per_sec", "{:,.0f}"),
+                  cell(training, "mfu", "{:.1%}"), cell(training, "mfu_vs_spec_sheet", "{:.1%}"),
+                  cell(training, "peak_mem_mb", "{:.0f}"), training.get("error", "")]]))
+    for mode in modes:
+        print(f"\nContext parallelism at seq {size['long_seq']}, mode {mode}: {what[mode]}")
+        print(table(["setting", "ms (median)", "peak MB per rank", "error"],
+                    [[r["setting"], cell(r, "step_ms", "{:.0f}"), cell(r, "peak_mem_mb", "{:.0f}"), r.get("error", "")]
+                     for r in cp_results if r["mode"] == mode]))
+    # A dry run leaves benchmarks/results alone.
+    out = (pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_gpu_dry_run.json" if args.dry_run_cpu
+           else ROOT / "benchmarks" / "results" / "gpu.json")
+    write_json(out, {"machine": {**machine(), "gpu": gpu, "gpu_count": torch.cuda.device_count(),
+                                 "cuda": torch.version.cuda},
+                     "dry_run_cpu": args.dry_run_cpu, "sizes": size, "n_params": n_params,
+                     "peak_flops_per_device": peak or "measured by the run", "spec_sheet_bf16": spec or None, "training": training,
+                     "context_parallel": {"what": {m: what[m] for m in modes}, "results": cp_results}})
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
