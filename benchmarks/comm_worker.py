@@ -34,8 +34,10 @@ def nbytes(tensor) -> int:
 
 class CountedComm:
     """Wraps an FSDP2 AllGather / ReduceScatter object (gloo's, or ours from cpu_collectives) and counts the
-    bytes a bandwidth-optimal network collective would send per rank: (N-1)/N of the gathered output or of
-    the reduce-scatter input. Shared memory moves them through RAM instead; the volume is the same."""
+    bytes a bandwidth-optimal network collective sends per rank for that call: (N-1)/N of the gathered
+    output or of the reduce-scatter input — the volume 3·P·(N-1)/N speaks of. It counts what FSDP2 asks
+    for (how many collectives, their padded sizes), not bytes on a wire: shared memory moves them through
+    RAM instead, gloo's own algorithms may send more."""
 
     def __init__(self, inner, counter: "ByteCounter", kind: str):
         self.inner, self.counter, self.kind = inner, counter, kind
@@ -106,9 +108,16 @@ def measure_steps(overrides: list, steps: int = 2) -> dict:
     for step in range(1, steps + 1):
         state, _ = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
     counter.enabled = False
-    param_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())  # logical (unsharded) sizes
+    from torch.distributed.fsdp import FSDPModule
+
+    in_units = {id(p) for m in state.model.modules() if isinstance(m, FSDPModule) and m is not state.model
+                for p in m.parameters()}
+    # logical (unsharded) sizes; the root's own parameters (embeddings, lm_head, final norm) stay gathered
+    # from forward to backward (FSDP2's default for the root), so they are all-gathered once per step
+    param_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    root_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters() if id(p) not in in_units)
     backend.finalize(state)
-    return {"param_bytes": param_bytes, "world_size": where.world_size,
+    return {"param_bytes": param_bytes, "root_param_bytes": root_bytes, "world_size": where.world_size,
             "sent_per_step": {k: v / steps for k, v in counter.sent.items()}}
 
 

@@ -32,6 +32,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 MODELS = {"20M": (512, 1408, 7, 8, 4), "50M": (640, 1728, 10, 10, 5), "100M": (768, 2048, 16, 12, 6)}
 QUICK_MODELS = {"20M": (64, 160, 2, 4, 2), "50M": (96, 256, 2, 4, 2), "100M": (128, 352, 2, 4, 2)}
 SEQ_LEN, GLOBAL_BATCH = 256, 4
+# Same schedule on both sides of every comparison (Trainer's warm-up would otherwise start at lr 0 for 20 steps).
+SCHEDULE = ["--config.train.warmup_steps=1"]
 
 
 class Suite:
@@ -43,7 +45,7 @@ class Suite:
         hidden, inter, layers, heads, kv = self.models[size]
         return [f"--config.model.hidden_size={hidden}", f"--config.model.intermediate_size={inter}",
                 f"--config.model.num_hidden_layers={layers}", f"--config.model.num_attention_heads={heads}",
-                f"--config.model.num_key_value_heads={kv}", "--config.model.max_position_embeddings=4096"]
+                f"--config.model.num_key_value_heads={kv}", "--config.model.max_position_embeddings=4096", *SCHEDULE]
 
     def steps(self, normal: int) -> int:
         return 3 if self.quick else normal
@@ -59,7 +61,7 @@ class Suite:
         """One run of our CLI; medians over the steps after the first (which pays for warm-up)."""
         records = run_cli([*self.model_flags(size), f"--config.data.seq_len={seq_len}", f"--config.train.batch_size={batch}",
                            f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
-                           "--config.train.eval_max_batches=1", "--config.train.warmup_steps=1", *extra], nproc=nproc)
+                           "--config.train.eval_max_batches=1", *extra], nproc=nproc)
         train = [r for r in records if "loss" in r and "eval_loss" not in r]
         end = next(r for r in records if r.get("event") == "end")
         last = train[-1]
@@ -67,20 +69,22 @@ class Suite:
                 "mfu": statistics.median(r["mfu"] for r in train[1:]),
                 "step_seconds": batch * seq_len / statistics.median(r["tokens_per_sec"] for r in train[1:]),
                 "peak_mb": last["peak_mem_mb"], "base_mb": last["base_mem_mb"],
-                "state_mb": [s + g for s, g in zip(last["state_mb"], last["grad_mb"])],
+                "state_mb": [s + g for s, g in zip(last["state_mb"], last["grad_mb"])], "shm_mb": last["shm_mb"],
                 "bookkeeping_fraction": end["bookkeeping_fraction"], "final_loss": last["loss"]}
 
     # ---- sections -------------------------------------------------------------------------------------
     def throughput(self) -> dict:
         out = {}
         for size, reps, steps in (("20M", 3, 8), ("100M", 2, 5)):
-            runs = {"ours_ws2": [], "hf_ws2": [], "ours_ws1": []}
+            runs = {"ours_ws2": [], "hf_ws2": [], "ours_ws2_gloo": [], "ours_ws1": []}
             order = list(runs)
             for rep in range(1 if self.quick else reps):
-                for name in order[rep % 3:] + order[:rep % 3]:  # rotate who goes first
+                for name in order[rep % 4:] + order[:rep % 4]:  # rotate who goes first
                     if name == "hf_ws2":
                         hf = run_hf_trainer(self.model_flags(size), SEQ_LEN, GLOBAL_BATCH, self.steps(steps))
                         runs[name].append({"tokens_per_sec": hf["tokens_per_sec"], "final_loss": hf["final_loss"]})
+                    elif name == "ours_ws2_gloo":  # ours without the shared-memory collectives: where the gain is
+                        runs[name].append(self.ours(size, 2, self.steps(steps), "--config.plan.cpu_collectives=gloo"))
                     else:
                         runs[name].append(self.ours(size, 2 if name == "ours_ws2" else 1, self.steps(steps)))
                     print(f"throughput {size} {name}: {runs[name][-1]['tokens_per_sec']:,.0f} tokens/s", flush=True)
@@ -89,6 +93,7 @@ class Suite:
             out[size] = {"n_params": self.n_params(size), "steps": self.steps(steps), "runs": runs,
                          "median_tokens_per_sec": {k: statistics.median(v) for k, v in tps.items()},
                          "ratio_vs_hf": statistics.median(a / b for a, b in zip(tps["ours_ws2"], tps["hf_ws2"])),
+                         "ratio_gloo_vs_hf": statistics.median(a / b for a, b in zip(tps["ours_ws2_gloo"], tps["hf_ws2"])),
                          "ratio_ws2_vs_ws1": statistics.median(a / b for a, b in zip(tps["ours_ws2"], tps["ours_ws1"])),
                          # HF's MFU against the same measured GEMM peak of 2 one-thread processes
                          "mfu": {"ours_ws2": statistics.median(r["mfu"] for r in runs["ours_ws2"]),
@@ -98,7 +103,7 @@ class Suite:
 
     def memory(self) -> dict:
         options = {"reshard on": [], "reshard off": ["--config.plan.reshard_after_forward=false"],
-                   "cpu offload": ["--config.plan.cpu_offload=true"],
+                   "cpu offload (no-op on a CPU run)": ["--config.plan.cpu_offload=true"],
                    "activation checkpointing": ["--config.plan.activation_checkpointing=true"]}
         rows = []
         for world in (1, 2, 4):
@@ -138,8 +143,12 @@ class Suite:
                                      f"--config.data.seq_len={SEQ_LEN}", f"--config.train.batch_size={GLOBAL_BATCH}",
                                      f"--config.plan.reshard_after_forward={str(reshard).lower()}"], timeout=900)
                     result = json.loads(open(out).read())
-                passes = 3 if reshard else 2  # all-gather in forward (and again in backward), reduce-scatter
-                result.update(reshard_after_forward=reshard, theory_bytes=passes * result["param_bytes"] * (world - 1) / world)
+                # 3·P·(N-1)/N: all-gather in forward and again in backward, one reduce-scatter; FSDP2 keeps the
+                # root's parameters gathered from forward to backward, so those are gathered once
+                fraction = (world - 1) / world
+                result.update(reshard_after_forward=reshard, theory_bytes=(3 if reshard else 2) * result["param_bytes"] * fraction,
+                              expected_bytes=((3 if reshard else 2) * result["param_bytes"]
+                                              - (result["root_param_bytes"] if reshard else 0)) * fraction)
                 rows.append(result)
                 print(f"communication ws{world} reshard={reshard}: {result['sent_per_step']}", flush=True)
         timings = []
@@ -179,20 +188,21 @@ def report(results: dict) -> str:
         for size, r in results["throughput"].items():
             t, m = r["median_tokens_per_sec"], r["mfu"]
             rows.append([f"{size} ({r['n_params'] / 1e6:.1f}M)", f"{t['ours_ws2']:,.0f}", f"{t['hf_ws2']:,.0f}",
-                         f"{r['ratio_vs_hf']:.2f}x", f"{t['ours_ws1']:,.0f}", f"{r['ratio_ws2_vs_ws1']:.2f}",
+                         f"{r['ratio_vs_hf']:.2f}x", f"{t['ours_ws2_gloo']:,.0f} ({r['ratio_gloo_vs_hf']:.2f}x)",
+                         f"{t['ours_ws1']:,.0f}", f"{r['ratio_ws2_vs_ws1']:.2f}",
                          f"{100 * m['ours_ws2']:.1f}% / {100 * m['hf_ws2']:.1f}% / {100 * m['ours_ws1']:.1f}%"])
         parts.append("### Throughput (tokens/s, median step; ratios = median of same-round ratios)\n\n" + table(
-            ["model", "ours, 2 ranks", "HF Trainer, 2 ranks", "ours / HF", "ours, 1 process", "2 ranks / 1 process",
-             "MFU ours 2r / HF 2r / ours 1p"], rows))
+            ["model", "ours, 2 ranks", "HF Trainer, 2 ranks", "ours / HF", "ours, gloo collectives (/ HF)",
+             "ours, 1 process", "2 ranks / 1 process", "MFU ours 2r / HF 2r / ours 1p"], rows))
     if "memory" in results:
         rows = [[r["world_size"], r["option"], f"{max(r['state_mb']):.1f}", f"{r['ideal_state_mb']:.1f}",
                  f"{100 * (r['state_vs_ideal'] - 1):+.2f}%", f"{max(r['peak_mb']):.0f}",
-                 f"{max(p - b for p, b in zip(r['peak_mb'], r['base_mb'])):.0f}",
+                 f"{max(r['shm_mb']):.0f}", f"{max(p - b for p, b in zip(r['peak_mb'], r['base_mb'])):.0f}",
                  f"{r['tokens_per_sec']:,.0f}"] for r in results["memory"]["rows"]]
         parts.append(f"### Memory per rank, {results['memory']['model']} model "
                      f"({results['memory']['n_params'] / 1e6:.1f}M parameters)\n\n" + table(
-            ["world", "option", "params+grads+Adam MB", "ideal MB", "vs ideal", "peak RSS MB", "peak above libraries MB",
-             "tokens/s"], rows))
+            ["world", "option", "params+grads+Adam MB", "ideal MB", "vs ideal", "peak RSS MB", "of which shared MB",
+             "peak above libraries MB", "tokens/s"], rows))
     if "scaling" in results:
         s = results["scaling"]
         parts.append("### Scaling with model size (2 ranks, reshard on)\n\n" + table(
@@ -209,12 +219,14 @@ def report(results: dict) -> str:
         rows = [[r["world_size"], "on" if r["reshard_after_forward"] else "off", f"{r['param_bytes'] / 2**20:.1f}",
                  f"{r['sent_per_step']['all_gather'] / 2**20:.1f}", f"{r['sent_per_step']['reduce_scatter'] / 2**20:.1f}",
                  f"{(r['sent_per_step']['all_gather'] + r['sent_per_step']['reduce_scatter']) / 2**20:.1f}",
-                 f"{r['theory_bytes'] / 2**20:.1f}", f"{r['sent_per_step']['all_reduce']:.0f} B"] for r in c["rows"]]
-        parts.append(f"### Communication per rank per step ({c['model']} model, MiB sent)\n\n" + table(
-            ["world", "reshard", "P (MiB)", "all-gather", "reduce-scatter", "total", "theory k·P·(N-1)/N",
-             "other (scalars)"], rows))
+                 f"{r['theory_bytes'] / 2**20:.1f}", f"{r['expected_bytes'] / 2**20:.1f}",
+                 f"{r['sent_per_step']['all_reduce']:.0f} B"] for r in c["rows"]]
+        parts.append(f"### Communication per rank per step ({c['model']} model; MiB a bandwidth-optimal collective "
+                     "sends for what FSDP2 asks)\n\n" + table(
+            ["world", "reshard", "P (MiB)", "all-gather", "reduce-scatter", "total", "k·P·(N-1)/N",
+             "minus the root's 2nd gather", "other (scalars)"], rows))
         names = list(c["collective_timings"][0]["median_ms"])
-        parts.append("### gloo collectives, one layer of the 20M model "
+        parts.append("### Collectives, gloo's and ours, one layer of the 20M model "
                      f"({c['collective_timings'][0]['megabytes']:.1f} MB), median ms\n\n" + table(
             ["world", *names], [[t["world_size"], *(f"{t['median_ms'][n]:.1f}" for n in names)]
                                 for t in c["collective_timings"]]))
@@ -238,11 +250,13 @@ def plot(results: dict, path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     if "throughput" in results:
         ax, t = axes[0][0], results["throughput"]
-        names = [("ours_ws2", "ours, 2 ranks"), ("hf_ws2", "HF Trainer, 2 ranks"), ("ours_ws1", "ours, 1 process")]
+        names = [("ours_ws2", "ours, 2 ranks"), ("hf_ws2", "HF Trainer, 2 ranks"),
+                 ("ours_ws2_gloo", "ours, 2 ranks, gloo collectives"), ("ours_ws1", "ours, 1 process")]
         for i, (key, label) in enumerate(names):
-            ax.bar([j + 0.27 * i for j in range(len(t))], [r["median_tokens_per_sec"][key] for r in t.values()],
-                   width=0.27, label=label)
-        ax.set_xticks([j + 0.27 for j in range(len(t))], list(t))
+            ax.bar([j + 0.2 * i for j in range(len(t))], [r["median_tokens_per_sec"][key] for r in t.values()],
+                   width=0.2, label=label)
+        ax.set_xticks([j + 0.3 for j in range(len(t))], list(t))
+        ax.set_yscale("log")
         ax.set_ylabel("tokens/s")
         ax.set_title("Throughput (FSDP2, fp32, seq 256, batch 4)")
         ax.legend()
@@ -279,6 +293,8 @@ def plot(results: dict, path) -> None:
         ax.bar(labels, [r["sent_per_step"]["reduce_scatter"] / 2**20 for r in rows],
                bottom=[r["sent_per_step"]["all_gather"] / 2**20 for r in rows], label="reduce-scatter")
         ax.plot(labels, [r["theory_bytes"] / 2**20 for r in rows], "k_", markersize=40, mew=2, label="k·P·(N-1)/N")
+        ax.plot(labels, [r["expected_bytes"] / 2**20 for r in rows], "r_", markersize=40, mew=2,
+                label="minus the root's second gather")
         ax.set_ylabel("MiB sent per rank per step")
         ax.set_title("Communication (20M model)")
         ax.legend()

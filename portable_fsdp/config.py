@@ -86,6 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.plan.cp_rotate_method = "allgather"  # allgather | alltoall
     c.plan.cp_impl = "auto"  # auto | torch | portable
     c.plan.cp_load_balance = True  # head-tail split; false = contiguous
+    c.plan.cpu_collectives = "auto"  # FSDP's collectives between CPU ranks: auto (shared memory on one host) | gloo
     c.plan.reshard_after_forward = True
     c.plan.cpu_offload = False
     c.plan.auto_wrap_policy = "TRANSFORMER_BASED_WRAP"

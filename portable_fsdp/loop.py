@@ -129,13 +129,15 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     if t.load_best_model_at_end and checkpointing.best(workdir):
         state = _resume(backend, state, checkpointing.best(workdir), config)
     if step_times:
+        # against typical steps: the first one (lazy initialisation, first allocations) is no yardstick
+        typical = statistics.median(step_times) * len(step_times)
         log.write({"step": end_step, "event": "end", "step_seconds_median": statistics.median(step_times),
-                   "bookkeeping_fraction": bookkeeping / sum(step_times)})
+                   "bookkeeping_fraction": bookkeeping / typical})
     log.close()
     result = _summary(backend_name, where, start, end_step, clock.seconds(), step_times, first_loss, last,
                       evaluated, saved, model_flops, peak, config)
     if step_times:
-        result["logging overhead"] = f"{100 * bookkeeping / sum(step_times):.2f}% of step time"
+        result["logging overhead"] = f"{100 * bookkeeping / typical:.2f}% of step time"
     if stop_reason:
         result["stopped"] = stop_reason
     if t.load_best_model_at_end and best.step:

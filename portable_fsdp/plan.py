@@ -27,6 +27,7 @@ class StateDictType(str, enum.Enum):
 DTYPES = ("float32", "bfloat16", "float16")
 CP_ROTATE_METHODS = ("allgather", "alltoall")
 CP_IMPLS = ("auto", "torch", "portable")
+CPU_COLLECTIVES = ("auto", "gloo")
 
 # Mesh axes a backend cannot honour yet, and the product issue each waits for.
 UNBUILT_AXES = {
@@ -111,6 +112,7 @@ class ShardingPlan:
     cp_rotate_method: str = "allgather"  # how K/V move round the cp group: allgather | alltoall (ring)
     cp_impl: str = "auto"  # auto (torch on CUDA, portable elsewhere) | torch | portable
     cp_load_balance: bool = True  # head-tail chunks (even causal work); False = contiguous slices
+    cpu_collectives: str = "auto"  # CPU ranks: auto (shared memory on one host) | gloo (its TCP collectives)
     xla: XlaSettings = XlaSettings()
 
     def validate(self, *, model_gradient_checkpointing: bool = False) -> None:
@@ -132,6 +134,9 @@ class ShardingPlan:
                 f"unknown value {self.cp_rotate_method!r}; choose one of {', '.join(CP_ROTATE_METHODS)}"))
         if self.cp_impl not in CP_IMPLS:
             raise UserError("plan.cp_impl", f"unknown value {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
+        if self.cpu_collectives not in CPU_COLLECTIVES:
+            raise UserError("plan.cpu_collectives", (
+                f"unknown value {self.cpu_collectives!r}; choose one of {', '.join(CPU_COLLECTIVES)}"))
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self.mixed_precision, name)
             if value not in DTYPES:

@@ -33,6 +33,7 @@ def plan_from_config(config) -> plan_lib.ShardingPlan:
         cp_rotate_method=p.cp_rotate_method,
         cp_impl=p.cp_impl,
         cp_load_balance=p.cp_load_balance,
+        cpu_collectives=p.cpu_collectives,
         xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt, p.xla_fsdp_v2),
     )
     plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)

@@ -1,30 +1,35 @@
 """FSDP2's all-gather and reduce-scatter for CPU ranks (gloo), swapped in through
-`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`.
+`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter` (`plan.cpu_collectives=auto`).
 
 gloo moves every byte through TCP, even between processes on one host, and its `reduce_scatter_tensor`
-takes about twice as long as an all-reduce of the same tensor (measured with 2 ranks and 12 MB: 21-23 ms
-vs 14 ms; see `python -m benchmarks.run --only communication`). Two replacements:
+takes about twice as long as an all-reduce of the same tensor. Measured for one 12 MB layer, 2 ranks
+(`python -m benchmarks.run --only communication`): all-gather 11 ms, reduce-scatter 15 ms over gloo;
+1-3 ms and 4 ms through shared memory. So:
 
-* ranks all on this host: the buffers live in shared memory. FSDP2 copies each rank's shard straight
-  into its slot of the all-gather output (`allocate` hands out the shared buffer), so the all-gather is
-  one barrier; a reduce-scatter writes each rank's input into its slot and sums its own chunk over the
-  slots. Each collective kind alternates between two buffers: a barrier per call means a rank can only
-  reuse a buffer once every rank has left the call before, so nobody overwrites what another still reads.
-* ranks on several hosts: the reduce-scatter is an all-to-all of the N chunks and a local sum, which
-  moves the minimum, S·(N-1)/N bytes per rank (gloo's all-gather is kept).
+* ranks all on this host: each collective goes through a buffer every rank maps from /dev/shm. A rank
+  writes its part into its slot, a barrier, then each rank reads what it needs, all inside the call.
+  Each kind alternates between two buffers: to write into a buffer again (two calls later) a rank must
+  have passed the barrier of the call in between, which every rank reaches only after its reads of the
+  call before — so nobody overwrites what another still reads, whatever FSDP2 does between calls.
+* ranks on several hosts, or no usable /dev/shm: gloo's all-gather, and a reduce-scatter made of one
+  all-to-all of the N chunks plus a local sum (the minimum, S·(N-1)/N bytes per rank).
 
-Barriers are gloo collectives: they honour the process group's timeout, so a lost peer is an error, not a
-hang. Shared files are unlinked as soon as every rank has mapped them: nothing is left in /dev/shm.
+Barriers are gloo collectives: they honour the process group's timeout, so a lost peer is an error, not
+a hang. A buffer's file is unlinked as soon as every rank has mapped it (nothing stays in /dev/shm), is
+reserved up front (a full /dev/shm is a fallback with a warning, not a SIGBUS later), and carries a token
+every rank checks (ranks that see different /dev/shm fall back instead of reading each other's zeros).
 """
 from __future__ import annotations
 
 import os
-import uuid
+import secrets
+import warnings
 
 import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
+TOKEN_BYTES = 16
 
 
 def _sum_or_avg(op) -> bool:
@@ -39,7 +44,7 @@ class AllToAllReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
-        if not _sum_or_avg(op) or async_op:
+        if not _sum_or_avg(op):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world = group.size()
         received = torch.empty_like(input_tensor)  # chunk i of every rank, in rank order, lands on rank i
@@ -47,7 +52,11 @@ class AllToAllReduceScatter:
         torch.sum(received.view(world, -1), dim=0, out=output_tensor)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(world)
-        return None
+        return None  # done: FSDP2 takes None as a finished collective, async_op or not
+
+
+class SharedMemoryUnavailable(RuntimeError):
+    pass
 
 
 class SharedBuffers:
@@ -63,67 +72,113 @@ class SharedBuffers:
     def next(self, nbytes: int) -> torch.Tensor:
         self.turn ^= 1
         current = self.buffers[self.turn]
-        if current is None or current.numel() < nbytes:
-            self.buffers[self.turn] = current = self._map(nbytes)
-        return current[:nbytes]
+        if current is None or current.numel() < TOKEN_BYTES + nbytes:
+            self.buffers[self.turn] = None  # drop the old mapping before making a larger one
+            self.buffers[self.turn] = current = self._map(TOKEN_BYTES + nbytes)
+        return current[TOKEN_BYTES:TOKEN_BYTES + nbytes]
 
     def _map(self, nbytes: int) -> torch.Tensor:
-        name = [os.path.join(SHM_DIR, f"portable_fsdp_{uuid.uuid4().hex}") if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        """Collective. Raises SharedMemoryUnavailable on every rank when any rank cannot share the buffer."""
+        offer = [None]
         if self.rank == 0:
-            with open(name[0], "wb") as f:
-                f.truncate(nbytes)
-        dist.barrier(group=self.group)
+            offer[0] = self._create(nbytes)
+        dist.broadcast_object_list(offer, src=dist.get_global_rank(self.group, 0), group=self.group)
+        path, token = offer[0] or (None, None)
+        mapped = None
         try:
-            mapped = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)
+            # torch.from_file would create a missing file: a rank that cannot see it must not map one
+            if path is not None and os.path.exists(path):
+                mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                if bytes(mapped[:TOKEN_BYTES].tolist()) != token:
+                    mapped = None
         finally:
-            dist.barrier(group=self.group)  # every rank has it mapped (or failed): the name can go
-            if self.rank == 0:
-                os.unlink(name[0])
+            ok = torch.tensor([int(mapped is not None)])
+            try:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # every rank has mapped (or failed)
+            finally:
+                if path is not None and self.rank == 0:
+                    os.unlink(path)
+        if not ok.item():
+            raise SharedMemoryUnavailable(f"{SHM_DIR} is not usable by every rank" if path else
+                                          f"no {nbytes / 2**20:.1f} MB buffer could be made in {SHM_DIR}")
         return mapped
 
+    @staticmethod
+    def _create(nbytes: int):
+        """A file of `nbytes` reserved in /dev/shm (pages allocated now, so a full tmpfs fails here) with a
+        random token at its start; None when it cannot be made."""
+        path = os.path.join(SHM_DIR, f"portable_fsdp_{secrets.token_hex(8)}")
+        token = secrets.token_bytes(TOKEN_BYTES)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            os.pwrite(fd, token, 0)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        os.close(fd)
+        return path, token
 
-class SharedMemoryAllGather:
-    """FSDP2's AllGather protocol. The output FSDP2 allocates is shared: its copy-in writes each rank's
-    shard into the rank's slot, so the gather itself is a barrier."""
+
+class _SharedMemoryCollective:
+    """Shared buffers, and gloo when they turn out to be unusable (decided on every rank alike)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.buffers = SharedBuffers(group)
+        self.usable = True
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in size:
-            numel *= int(s)
-        return self.buffers.next(numel * dtype.itemsize).view(dtype).view(*size)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
-        shared = self.buffers.buffers[self.buffers.turn]
-        if async_op or shared is None or output_tensor.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr():
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        dist.barrier(group=group)
+    def shared(self, nbytes: int) -> torch.Tensor | None:
+        if self.usable:
+            try:
+                return self.buffers.next(nbytes)
+            except SharedMemoryUnavailable as err:
+                self.usable = False
+                warnings.warn(f"FSDP collectives fall back to gloo over TCP: {err}", stacklevel=3)
         return None
-
-
-class SharedMemoryReduceScatter:
-    """FSDP2's ReduceScatter protocol: each rank writes its whole input into its slot, then sums its own
-    chunk over every slot, in rank order (the same order on every rank)."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.buffers = SharedBuffers(group)
-        self.fallback = AllToAllReduceScatter()
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class SharedMemoryAllGather(_SharedMemoryCollective):
+    """FSDP2's AllGather protocol: every rank writes its shard into its slot, a barrier, every rank copies
+    the whole buffer into its output."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        shared = self.shared(output_tensor.numel() * output_tensor.element_size())
+        if shared is None:
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        shared = shared.view(output_tensor.dtype)
+        shard = input_tensor.numel()
+        shared[dist.get_rank(group) * shard:][:shard].copy_(input_tensor.view(-1))
+        dist.barrier(group=group)
+        output_tensor.view(-1).copy_(shared)
+        return None  # done: FSDP2 takes None as a finished collective, async_op or not
+
+
+class SharedMemoryReduceScatter(_SharedMemoryCollective):
+    """FSDP2's ReduceScatter protocol: each rank writes its whole input into its slot, a barrier, then sums
+    its own chunk over every slot, in rank order (the same order on every rank)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__(group)
+        self.fallback = AllToAllReduceScatter()
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
-        if not _sum_or_avg(op) or async_op:
+        if not _sum_or_avg(op):
             return self.fallback(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), dist.get_rank(group)
-        slots = self.buffers.next(world * input_tensor.numel() * input_tensor.element_size())
-        slots = slots.view(input_tensor.dtype).view(world, input_tensor.numel())
-        slots[rank].copy_(input_tensor)
+        shared = self.shared(world * input_tensor.numel() * input_tensor.element_size())
+        if shared is None:
+            return self.fallback(output_tensor, input_tensor, group, op, async_op)
+        slots = shared.view(input_tensor.dtype).view(world, input_tensor.numel())
+        slots[rank].copy_(input_tensor.view(-1))
         dist.barrier(group=group)
         torch.sum(slots.view(world, world, -1)[:, rank], dim=0, out=output_tensor)
         if op == dist.ReduceOp.AVG:
@@ -133,10 +188,12 @@ class SharedMemoryReduceScatter:
 
 def use_cpu_collectives(modules, group: dist.ProcessGroup) -> None:
     """Shared memory when every rank of `group` is on this host (one node), else the all-to-all
-    reduce-scatter."""
-    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == dist.get_world_size() and os.path.isdir(SHM_DIR)
-    all_gather = SharedMemoryAllGather(group) if one_host else None
-    reduce_scatter = SharedMemoryReduceScatter(group) if one_host else AllToAllReduceScatter()
+    reduce-scatter with gloo's all-gather."""
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
+    if one_host and os.path.isdir(SHM_DIR):
+        all_gather, reduce_scatter = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
+    else:
+        all_gather, reduce_scatter = None, AllToAllReduceScatter()
     for module in modules:
         if all_gather is not None:
             module.set_custom_all_gather(all_gather)

@@ -54,8 +54,9 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple,
         units = []
     for unit in units:
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
-    if device_type == "cpu" and mesh.size() > 1:
+    # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None if plan.reshard_after_forward else False})
+    if device_type == "cpu" and mesh.size() > 1 and plan.cpu_collectives == "auto":
         use_cpu_collectives([*units, model], mesh.get_group())
 
 

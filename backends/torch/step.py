@@ -231,24 +231,38 @@ def _memory_now_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def _shared_memory_mb() -> float:
+    """Resident shared memory of this process (the CPU collectives' buffers, mapped by every rank: counted
+    in each rank's resident set, but held once)."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next((line for line in status if line.startswith("RssShmem:")), None)
+    except OSError:
+        return 0.0
+    return int(line.split()[1]) / 2**10 if line else 0.0
+
+
 def memory_report(state: TrainState) -> dict:
-    """Per-rank memory in MiB (a collective: every rank must call it). `state_mb`: parameters and optimizer
-    state this rank holds; `grad_mb`: its gradients during a step; `base_mem_mb`: what the process held
-    before the model existed (libraries, process group)."""
+    """Per-rank memory in MiB (a collective: every rank must call it). mem_mb / peak_mem_mb: resident set
+    now / at its peak (CPU) or allocated by torch (CUDA); `state_mb`: parameters and optimizer state this
+    rank holds; `grad_mb`: its gradient shards, held during a step (with grad_accum_steps > 1, FSDP2 holds
+    unsharded gradients between micro-batches); `base_mem_mb`: the process before the model existed
+    (libraries, process group; on CUDA what torch had allocated); `shm_mb`: shared memory in mem_mb."""
     device = state.ctx.runtime.device
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    shared = _shared_memory_mb() if device.type == "cpu" else 0.0
     mine = torch.tensor([_memory_now_mb(device), peak, _state_bytes(state) / 2**20, _gradient_bytes(state) / 2**20,
-                         state.ctx.baseline_mb],
+                         state.ctx.baseline_mb, shared],
                         dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = np.array([g.tolist() for g in gathered])
     return {"mem_mb": rows[:, 0].round(1).tolist(), "peak_mem_mb": rows[:, 1].round(1).tolist(),
             "state_mb": rows[:, 2].round(2).tolist(), "grad_mb": rows[:, 3].round(2).tolist(),
-            "base_mem_mb": rows[:, 4].round(1).tolist()}
+            "base_mem_mb": rows[:, 4].round(1).tolist(), "shm_mb": rows[:, 5].round(1).tolist()}
 
 
 def peak_flops_per_device(device: torch.device) -> float:

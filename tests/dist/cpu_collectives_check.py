@@ -1,13 +1,18 @@
 """Run under torchrun: our CPU collectives (backends/torch/cpu_collectives.py) against gloo's, used the way
-FSDP2 uses them, several times with other sizes (the buffers alternate and grow). Writes
-{case: max abs difference over ranks} from rank 0 to argv[1], and the shared files left behind."""
+FSDP2 uses them, several times with other sizes (the buffers alternate and grow), with shared memory
+working, with no /dev/shm, and with a rank that cannot see rank 0's file. Writes {case: max abs
+difference over ranks}, the fall-back warnings and the shared files left behind, from rank 0 to argv[1]."""
+import contextlib
 import json
 import os
 import sys
+import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
+from portable_fsdp.backends.torch import cpu_collectives
 from portable_fsdp.backends.torch.cpu_collectives import (SHM_DIR, AllToAllReduceScatter, SharedMemoryAllGather,
                                                           SharedMemoryReduceScatter)
 
@@ -18,13 +23,9 @@ def worst(difference: torch.Tensor) -> float:
     return value.item()
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-    before = set(os.listdir(SHM_DIR))
+def compare(group, rank, world, prefix: str, results: dict) -> list:
     gather, reduce_scatters = SharedMemoryAllGather(group), {"all_to_all": AllToAllReduceScatter(),
                                                             "shared": SharedMemoryReduceScatter(group)}
-    results = {}
     for round_, chunk in enumerate((1000, 3000, 500, 3000)):
         generator = torch.Generator().manual_seed(100 * round_ + rank)
         full, shard = torch.randn(world * chunk, generator=generator), torch.randn(chunk, generator=generator)
@@ -33,7 +34,7 @@ def main() -> None:
         gather(output, output.narrow(0, rank * chunk, chunk), group)
         expected = torch.empty(world * chunk)
         dist.all_gather_into_tensor(expected, shard)
-        results[f"all_gather/{round_}"] = worst(output - expected)
+        results[f"{prefix}all_gather/{round_}"] = worst(output - expected)
         for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
             expected = torch.empty(chunk)
             # gloo has no AVG reduce-scatter: compare with the sum, divided
@@ -43,11 +44,32 @@ def main() -> None:
             for name, comm in reduce_scatters.items():
                 ours = comm.allocate((chunk,), dtype=torch.float32, device=torch.device("cpu"))
                 comm(ours, full.clone(), group, op)
-                results[f"{name}/{op_name}/{round_}"] = worst(ours - expected)
+                results[f"{prefix}{name}/{op_name}/{round_}"] = worst(ours - expected)
+    return [gather.usable, reduce_scatters["shared"].usable]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    before = set(os.listdir(SHM_DIR))
+    results, usable, caught = {}, {}, {}
+    real_exists = os.path.exists
+    scenarios = {
+        "": contextlib.nullcontext(),
+        "no_shm/": mock.patch.object(cpu_collectives, "SHM_DIR", "/nonexistent/shm"),
+        # rank 1 lives elsewhere: rank 0's file is not there for it
+        "not_shared/": mock.patch("os.path.exists", lambda path: real_exists(path) and rank != 1),
+    }
+    for prefix, patch in scenarios.items():
+        with patch, warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            usable[prefix] = compare(group, rank, world, prefix, results)
+        caught[prefix] = [str(r.message) for r in records]
     dist.barrier()
     if rank == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"differences": results, "left_in_shm": sorted(set(os.listdir(SHM_DIR)) - before)}, f)
+            json.dump({"differences": results, "usable": usable, "warnings": caught,
+                       "left_in_shm": sorted(set(os.listdir(SHM_DIR)) - before)}, f)
     dist.destroy_process_group()
 
 

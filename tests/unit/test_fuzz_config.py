@@ -23,6 +23,7 @@ VALUES = {
     "plan.param_dtype": st.sampled_from(["float32", "bfloat16", "int8"]),
     "plan.cp_rotate_method": st.sampled_from(["allgather", "alltoall", "ring"]),
     "plan.cp_impl": st.sampled_from(["auto", "torch", "portable", "x"]),
+    "plan.cpu_collectives": st.sampled_from(["auto", "gloo", "nccl"]),
     "plan.activation_checkpointing": st.sampled_from(["true", "false", "maybe"]),
     "plan.xla_fsdp_settings": st.sampled_from(["{}", "[]", "{bad", '{"compute_dtype": "bfloat16"}']),
     "train.gradient_checkpointing": st.sampled_from(["true", "false"]),

@@ -410,3 +410,11 @@ def test_resolved_plan_is_frozen(config):
     plan = validate.resolve_plan(config, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.cpu_offload = True
+
+
+def test_resolve_plan_unknown_cpu_collectives(config):
+    config.plan.cpu_collectives = "mpi"
+    with user_error("plan.cpu_collectives", "unknown value 'mpi'; choose one of auto, gloo"):
+        validate.resolve_plan(config, 1)
+    config.plan.cpu_collectives = "gloo"
+    assert validate.resolve_plan(config, 1).cpu_collectives == "gloo"
