@@ -29,11 +29,11 @@ def run_python(args: list, timeout: float, env: dict | None = None) -> subproces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_cli(args: list, nproc: int, timeout: float = 900) -> list:
+def run_cli(args: list, nproc: int, timeout: float = 900, env: dict | None = None) -> list:
     """Run `python -m portable_fsdp.run` in a fresh workdir; returns its metrics records (raises on failure)."""
     with tempfile.TemporaryDirectory() as workdir:
         proc = run_python(["-m", "portable_fsdp.run", "--workdir", workdir, "--nproc", str(nproc),
-                           "--config.train.progress_bar=false", *args], timeout)
+                           "--config.train.progress_bar=false", *args], timeout, env)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
         return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,6 +1,6 @@
 """The benchmark suite: portable_fsdp against Hugging Face Trainer and against the machine's limit, on CPU.
 
-    python -m benchmarks.run                       # every section (~35 min on 2 cores)
+    python -m benchmarks.run                       # every section (~25 min on 2 cores)
     python -m benchmarks.run --only memory,communication
     python -m benchmarks.run --quick               # tiny models, a few seconds per run: checks the suite works
 
@@ -57,11 +57,11 @@ class Suite:
         return describe_model(config_from(self.model_flags(size))).n_params
 
     def ours(self, size: str, nproc: int, steps: int, *extra: str, seq_len: int = SEQ_LEN,
-             batch: int = GLOBAL_BATCH) -> dict:
+             batch: int = GLOBAL_BATCH, env: dict | None = None) -> dict:
         """One run of our CLI; medians over the steps after the first (which pays for warm-up)."""
         records = run_cli([*self.model_flags(size), f"--config.data.seq_len={seq_len}", f"--config.train.batch_size={batch}",
                            f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
-                           "--config.train.eval_max_batches=1", *extra], nproc=nproc)
+                           "--config.train.eval_max_batches=1", *extra], nproc=nproc, env=env)
         train = [r for r in records if "loss" in r and "eval_loss" not in r]
         end = next(r for r in records if r.get("event") == "end")
         last = train[-1]
@@ -105,12 +105,16 @@ class Suite:
         options = {"reshard on": [], "reshard off": ["--config.plan.reshard_after_forward=false"],
                    "cpu offload (no-op on a CPU run)": ["--config.plan.cpu_offload=true"],
                    "activation checkpointing": ["--config.plan.activation_checkpointing=true"]}
+        # glibc keeps freed activations resident once its mmap threshold has grown (fragmentation); a fixed
+        # threshold returns large blocks at once, for page faults on every new one: shown, not the default
+        unmapped = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
         rows = []
         for world in (1, 2, 4):
-            for option, flags in options.items():
-                if world == 1 and option == "reshard off":
-                    continue  # one rank: nothing to reshard
-                result = self.ours("100M", world, self.steps(3), *flags)
+            for option, flags in [*options.items(), ("reshard on, MALLOC_MMAP_THRESHOLD_=4 MB", [])]:
+                if (world == 1 and option == "reshard off") or (world == 4 and option.startswith("reshard on, ")):
+                    continue  # one rank: nothing to reshard; the allocator's effect is seen at 1 and 2 ranks
+                env = unmapped if "MALLOC" in option else None
+                result = self.ours("100M", world, self.steps(3), *flags, env=env)
                 rows.append({"world_size": world, "option": option, **result})
                 print(f"memory ws{world} {option}: peak {max(result['peak_mb']):.0f} MB/rank", flush=True)
         full_state = next(r for r in rows if r["world_size"] == 1 and r["option"] == "reshard on")["state_mb"][0]
