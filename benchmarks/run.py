@@ -257,23 +257,26 @@ def plot(results: dict, path) -> None:
         names = [("ours_ws2", "ours, 2 ranks"), ("hf_ws2", "HF Trainer, 2 ranks"),
                  ("ours_ws2_gloo", "ours, 2 ranks, gloo collectives"), ("ours_ws1", "ours, 1 process")]
         for i, (key, label) in enumerate(names):
-            ax.bar([j + 0.2 * i for j in range(len(t))], [r["median_tokens_per_sec"][key] for r in t.values()],
+            ax.bar([j + 0.2 * i for j in range(len(t))],
+                   [r["median_tokens_per_sec"][key] / r["median_tokens_per_sec"]["ours_ws1"] for r in t.values()],
                    width=0.2, label=label)
         ax.set_xticks([j + 0.3 for j in range(len(t))], list(t))
-        ax.set_yscale("log")
-        ax.set_ylabel("tokens/s")
+        ax.set_ylabel("tokens/s relative to ours, 1 process")
         ax.set_title("Throughput (FSDP2, fp32, seq 256, batch 4)")
-        ax.legend()
+        ax.set_ylim(0, 1.3)
+        ax.legend(loc="upper center", ncol=2, fontsize=8)
     if "memory" in results:
         ax, rows = axes[0][1], results["memory"]["rows"]
-        labels = [f"ws{r['world_size']}\n{r['option'].replace(' ', chr(10), 1)}" for r in rows]
+        short = {"reshard on": "reshard on", "reshard off": "reshard off", "activation checkpointing": "act. ckpt"}
+        labels = [f"ws{r['world_size']} " + short.get(r["option"], "cpu offload" if "offload" in r["option"] else
+                                                       "malloc 4 MB") for r in rows]
         base = [max(r["base_mb"]) for r in rows]
         above = [max(p - b for p, b in zip(r["peak_mb"], r["base_mb"])) for r in rows]
         ax.bar(labels, base, label="libraries (before the model)", color="lightgray")
         ax.bar(labels, above, bottom=base, label="model, optimizer, activations")
         ax.set_ylabel("peak resident MB per rank")
         ax.set_title(f"Memory per rank ({results['memory']['model']} model)")
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=60)
         ax.legend()
     if "scaling" in results:
         ax, s = axes[1][0], results["scaling"]
@@ -301,7 +304,7 @@ def plot(results: dict, path) -> None:
                 label="minus the root's second gather")
         ax.set_ylabel("MiB sent per rank per step")
         ax.set_title("Communication (20M model)")
-        ax.legend()
+        ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp import faults
@@ -157,7 +158,17 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     device = state.ctx.runtime.device
     with sequence_shard(state.ctx.cp, batch, device) as (input_ids, labels, positions):
         loss = token_loss_sum(state.model, input_ids, labels, positions).item()
+    _reshard(state.model)
     return {"loss_sum": _all_reduce_sum([loss], device)[0]}
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """A forward without backward leaves gathered the units that do not reshard after forward (the root,
+    or every unit with reshard_after_forward=false; training's backward reshards them): free that memory
+    and register the sharded parameters again, which checkpoint saves and loads expect."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @torch.no_grad()
@@ -173,6 +184,7 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     device = ctx.runtime.device
     with sequence_shard(ctx.cp, batch, device) as (input_ids, _, positions):
         logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+    _reshard(state.model)
     outputs = {"predictions": logits.argmax(-1)}
     if return_logits:
         outputs["logits"] = logits

@@ -84,6 +84,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
     initial_eval = evaluate(backend, state, evals)
     first_predictions = backend.predict_step(state, evals[0])
     unlabeled = backend.predict_step(state, dataclasses.replace(evals[0], labels=None))
+    sharded_after_eval = all(isinstance(p, DTensor) for p in state.model.parameters())
     losses = []
     for step in range(steps):
         state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
@@ -92,6 +93,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
               "initial_eval": initial_eval, "first_predictions": first_predictions["predictions"].tolist(),
               "unlabeled_predictions_match": bool((unlabeled["predictions"] == first_predictions["predictions"]).all()),
               "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
+              "sharded_after_eval": sharded_after_eval,
               "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
     if name == "reshard_on":
         result.update(sharded_round_trip(config, plan, backend, state, data, where))

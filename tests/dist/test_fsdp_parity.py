@@ -56,6 +56,7 @@ def test_bf16_mixed_precision_is_applied_and_close(variant_results):
 def test_parameters_are_sharded_over_both_ranks(variant_results, name):
     result = variant_results[name]
     assert result["all_dtensor"]
+    assert result["sharded_after_eval"]  # the root (and units kept gathered) reshard after an eval forward
     assert result["local_fraction"] == pytest.approx(0.5, abs=0.01)
 
 
