@@ -91,6 +91,8 @@ class SharedBuffers:
                 mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
                 if bytes(mapped[:TOKEN_BYTES].tolist()) != token:
                     mapped = None
+        except (OSError, RuntimeError):  # this rank cannot map it: all ranks fall back together, below
+            mapped = None
         finally:
             ok = torch.tensor([int(mapped is not None)])
             try:
@@ -190,7 +192,11 @@ def use_cpu_collectives(modules, group: dist.ProcessGroup) -> None:
     """Shared memory when every rank of `group` is on this host (one node), else the all-to-all
     reduce-scatter with gloo's all-gather."""
     one_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
-    if one_host and os.path.isdir(SHM_DIR):
+    # Every rank must pick the same collectives (a barrier on one, a gloo call on another would only end
+    # at the timeout): agree on the choice.
+    usable = torch.tensor([int(one_host and os.path.isdir(SHM_DIR))])
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
+    if usable.item():
         all_gather, reduce_scatter = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
     else:
         all_gather, reduce_scatter = None, AllToAllReduceScatter()
