@@ -122,14 +122,15 @@ def measure_steps(overrides: list, steps: int = 2) -> dict:
 
 
 def time_collectives(numel: int, repeats: int = 10) -> dict:
-    from portable_fsdp.backends.torch.cpu_collectives import (AllToAllReduceScatter, SharedMemoryAllGather,
-                                                              SharedMemoryReduceScatter)
+    from portable_fsdp.backends.torch.cpu_collectives import (AllToAllReduceScatter, SharedBuffers,
+                                                              SharedMemoryAllGather, SharedMemoryReduceScatter)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     full, shard = torch.randn(numel), torch.randn(numel // world)
-    shared_gather, shared_reduce, all_to_all = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group), AllToAllReduceScatter()
+    buffers = SharedBuffers(group)
+    shared_gather, shared_reduce, all_to_all = SharedMemoryAllGather(buffers), SharedMemoryReduceScatter(buffers), AllToAllReduceScatter()
 
     def gather(comm):  # as FSDP2 does it: allocate the output, copy this rank's shard into its slot, gather
         output = comm.allocate((numel,), dtype=torch.float32, device=torch.device("cpu")) if comm else torch.empty(numel)

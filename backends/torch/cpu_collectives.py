@@ -6,11 +6,14 @@ takes about twice as long as an all-reduce of the same tensor. Measured for one 
 (`python -m benchmarks.run --only communication`): all-gather 11 ms, reduce-scatter 15 ms over gloo;
 1-3 ms and 4 ms through shared memory. So:
 
-* ranks all on this host: each collective goes through a buffer every rank maps from /dev/shm. A rank
-  writes its part into its slot, a barrier, then each rank reads what it needs, all inside the call.
-  Each kind alternates between two buffers: to write into a buffer again (two calls later) a rank must
-  have passed the barrier of the call in between, which every rank reaches only after its reads of the
-  call before — so nobody overwrites what another still reads, whatever FSDP2 does between calls.
+* ranks all on this host: collectives go through two buffers every rank maps from /dev/shm, in rounds
+  of at most `BUFFER_BYTES`, so shared memory stays 2 x `BUFFER_BYTES` per rank whatever the size of an
+  FSDP unit (it counts in every rank's resident memory). In a round a rank writes its part into its
+  slot, a barrier, then each rank reads what it needs. Rounds use the two buffers in turn, all-gathers
+  and reduce-scatters alike: to write into a buffer again (two rounds later) a rank must have passed
+  the barrier of the round in between, which every rank reaches only after its reads of the round
+  before — so nobody overwrites what another still reads, whatever FSDP2 does between calls. Every
+  round finishes inside the call.
 * ranks on several hosts, or no usable /dev/shm: gloo's all-gather, and a reduce-scatter made of one
   all-to-all of the N chunks plus a local sum (the minimum, S·(N-1)/N bytes per rank).
 
@@ -30,6 +33,9 @@ import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
 TOKEN_BYTES = 16
+# Per buffer (a rank maps two). A larger one saves barriers (~0.2 ms each) on units above it, and costs
+# its size in every rank's resident memory.
+BUFFER_BYTES = 16 * 2**20
 
 
 def _sum_or_avg(op) -> bool:
@@ -60,16 +66,36 @@ class SharedMemoryUnavailable(RuntimeError):
 
 
 class SharedBuffers:
-    """Byte buffers every rank of `group` maps from one file, two per use, grown together when a request
-    is larger (every rank asks for the same sizes in the same order: the same model, the same schedule)."""
+    """Two byte buffers every rank of `group` maps from one file each, used in turn by the rounds of every
+    collective, grown together (up to `capacity`) when a round needs more: every rank asks for the same
+    sizes in the same order (the same model, the same schedule). When they cannot be shared, `usable`
+    turns False on every rank alike, with a warning, and the collectives use gloo from then on."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, capacity: int = BUFFER_BYTES):
         self.group = group
         self.rank = dist.get_rank(group)
+        self.capacity = capacity
+        self.usable = True
         self.buffers: list = [None, None]
         self.turn = 0
 
-    def next(self, nbytes: int) -> torch.Tensor:
+    def rounds(self, length: int, bytes_per_element: int):
+        """(start, count, buffer) for each round over `length` elements; stops early when shared memory
+        turns out unusable (on every rank alike): the caller then redoes the whole call over gloo, which
+        rewrites the output and only reads the input."""
+        per_round = max(1, self.capacity // bytes_per_element)
+        for start in range(0, length, per_round):
+            count = min(per_round, length - start)
+            if not self.usable:
+                return
+            try:
+                yield start, count, self._next(count * bytes_per_element)
+            except SharedMemoryUnavailable as err:
+                self.usable = False
+                warnings.warn(f"FSDP collectives fall back to gloo over TCP: {err}", stacklevel=3)
+                return
+
+    def _next(self, nbytes: int) -> torch.Tensor:
         self.turn ^= 1
         current = self.buffers[self.turn]
         if current is None or current.numel() < TOKEN_BYTES + nbytes:
@@ -126,63 +152,68 @@ class SharedBuffers:
         return path, token
 
 
-class _SharedMemoryCollective:
-    """Shared buffers, and gloo when they turn out to be unusable (decided on every rank alike)."""
+class SharedMemoryAllGather:
+    """FSDP2's AllGather protocol. Each round: every rank writes a piece of its shard into its slot, a
+    barrier, every rank copies all slots into its output."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.buffers = SharedBuffers(group)
-        self.usable = True
-
-    def shared(self, nbytes: int) -> torch.Tensor | None:
-        if self.usable:
-            try:
-                return self.buffers.next(nbytes)
-            except SharedMemoryUnavailable as err:
-                self.usable = False
-                warnings.warn(f"FSDP collectives fall back to gloo over TCP: {err}", stacklevel=3)
-        return None
+    def __init__(self, buffers: SharedBuffers):
+        self.buffers = buffers
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-
-class SharedMemoryAllGather(_SharedMemoryCollective):
-    """FSDP2's AllGather protocol: every rank writes its shard into its slot, a barrier, every rank copies
-    the whole buffer into its output."""
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
-        shared = self.shared(output_tensor.numel() * output_tensor.element_size())
-        if shared is None:
+        world, rank = group.size(), dist.get_rank(group)
+        shard, source = input_tensor.numel(), input_tensor.view(-1)
+        output = output_tensor.view(world, shard)
+        done = 0
+        for start, count, shared in self.buffers.rounds(shard, world * output_tensor.element_size()):
+            slots = shared.view(output_tensor.dtype).view(world, count)
+            slots[rank].copy_(source[start:start + count])
+            dist.barrier(group=group)
+            output[:, start:start + count].copy_(slots)
+            done = start + count
+        if done < shard:  # shared memory unusable
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        shared = shared.view(output_tensor.dtype)
-        shard = input_tensor.numel()
-        shared[dist.get_rank(group) * shard:][:shard].copy_(input_tensor.view(-1))
-        dist.barrier(group=group)
-        output_tensor.view(-1).copy_(shared)
         return None  # done: FSDP2 takes None as a finished collective, async_op or not
 
 
-class SharedMemoryReduceScatter(_SharedMemoryCollective):
-    """FSDP2's ReduceScatter protocol: each rank writes its whole input into its slot, a barrier, then sums
-    its own chunk over every slot, in rank order (the same order on every rank)."""
+class SharedMemoryReduceScatter:
+    """FSDP2's ReduceScatter protocol. Each round: every rank writes the same piece of each of the N-1
+    chunks other ranks own into its slot, a barrier, then each rank sums the pieces of its own chunk, its
+    own input's among them, in rank order."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        super().__init__(group)
+    def __init__(self, buffers: SharedBuffers):
+        self.buffers = buffers
         self.fallback = AllToAllReduceScatter()
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
+        world, rank = group.size(), dist.get_rank(group)
         if not _sum_or_avg(op):
             return self.fallback(output_tensor, input_tensor, group, op, async_op)
-        world, rank = group.size(), dist.get_rank(group)
-        shared = self.shared(world * input_tensor.numel() * input_tensor.element_size())
-        if shared is None:
+        shard = output_tensor.numel()
+        chunks, output = input_tensor.view(world, shard), output_tensor.view(-1)
+        done = 0
+        for start, count, shared in self.buffers.rounds(shard, world * (world - 1) * input_tensor.element_size()):
+            # slots[writer] holds the writer's pieces of every chunk but its own, in chunk order
+            slots = shared.view(input_tensor.dtype).view(world, world - 1, count)
+            slots[rank, :rank].copy_(chunks[:rank, start:start + count])
+            slots[rank, rank:].copy_(chunks[rank + 1:, start:start + count])
+            dist.barrier(group=group)
+            pieces = [chunks[rank, start:start + count] if writer == rank else
+                      slots[writer, rank - 1 if rank > writer else rank] for writer in range(world)]
+            piece = output[start:start + count]
+            torch.add(pieces[0], pieces[1], out=piece)
+            for later in pieces[2:]:
+                piece.add_(later)
+            done = start + count
+        if done < shard:
             return self.fallback(output_tensor, input_tensor, group, op, async_op)
-        slots = shared.view(input_tensor.dtype).view(world, input_tensor.numel())
-        slots[rank].copy_(input_tensor.view(-1))
-        dist.barrier(group=group)
-        torch.sum(slots.view(world, world, -1)[:, rank], dim=0, out=output_tensor)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(world)
         return None
@@ -197,7 +228,8 @@ def use_cpu_collectives(modules, group: dist.ProcessGroup) -> None:
     usable = torch.tensor([int(one_host and os.path.isdir(SHM_DIR))])
     dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
     if usable.item():
-        all_gather, reduce_scatter = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
+        buffers = SharedBuffers(group)
+        all_gather, reduce_scatter = SharedMemoryAllGather(buffers), SharedMemoryReduceScatter(buffers)
     else:
         all_gather, reduce_scatter = None, AllToAllReduceScatter()
     for module in modules:

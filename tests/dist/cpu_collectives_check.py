@@ -1,6 +1,7 @@
 """Run under torchrun: our CPU collectives (backends/torch/cpu_collectives.py) against gloo's, used the way
 FSDP2 uses them, several times with other sizes (the buffers alternate and grow), with shared memory
-working, with no /dev/shm, and with a rank that cannot see rank 0's file. Writes {case: max abs
+working, in many rounds through small buffers, with no /dev/shm, and with a rank that cannot see rank 0's
+file. Writes {case: max abs
 difference over ranks}, the fall-back warnings and the shared files left behind, from rank 0 to argv[1]."""
 import contextlib
 import json
@@ -13,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from portable_fsdp.backends.torch import cpu_collectives
-from portable_fsdp.backends.torch.cpu_collectives import (SHM_DIR, AllToAllReduceScatter, SharedMemoryAllGather,
-                                                          SharedMemoryReduceScatter)
+from portable_fsdp.backends.torch.cpu_collectives import (SHM_DIR, AllToAllReduceScatter, SharedBuffers,
+                                                          SharedMemoryAllGather, SharedMemoryReduceScatter)
 
 
 def worst(difference: torch.Tensor) -> float:
@@ -23,9 +24,10 @@ def worst(difference: torch.Tensor) -> float:
     return value.item()
 
 
-def compare(group, rank, world, prefix: str, results: dict) -> list:
-    gather, reduce_scatters = SharedMemoryAllGather(group), {"all_to_all": AllToAllReduceScatter(),
-                                                            "shared": SharedMemoryReduceScatter(group)}
+def compare(group, rank, world, prefix: str, results: dict, buffer_bytes: int) -> list:
+    buffers = SharedBuffers(group, buffer_bytes)  # one pair for both kinds, as use_cpu_collectives does
+    gather, reduce_scatters = SharedMemoryAllGather(buffers), {
+        "all_to_all": AllToAllReduceScatter(), "shared": SharedMemoryReduceScatter(buffers)}
     for round_, chunk in enumerate((1000, 3000, 500, 3000)):
         generator = torch.Generator().manual_seed(100 * round_ + rank)
         full, shard = torch.randn(world * chunk, generator=generator), torch.randn(chunk, generator=generator)
@@ -45,7 +47,7 @@ def compare(group, rank, world, prefix: str, results: dict) -> list:
                 ours = comm.allocate((chunk,), dtype=torch.float32, device=torch.device("cpu"))
                 comm(ours, full.clone(), group, op)
                 results[f"{prefix}{name}/{op_name}/{round_}"] = worst(ours - expected)
-    return [gather.usable, reduce_scatters["shared"].usable]
+    return buffers.usable
 
 
 def main() -> None:
@@ -54,16 +56,19 @@ def main() -> None:
     before = set(os.listdir(SHM_DIR))
     results, usable, caught = {}, {}, {}
     real_exists = os.path.exists
-    scenarios = {
-        "": contextlib.nullcontext(),
-        "no_shm/": mock.patch.object(cpu_collectives, "SHM_DIR", "/nonexistent/shm"),
+    default = cpu_collectives.BUFFER_BYTES
+    scenarios = {  # prefix: (patch, bytes per buffer)
+        "": (contextlib.nullcontext(), default),
+        # rounds of 170 (reduce-scatter) and 341 (all-gather) elements at 3 ranks, with a shorter last one
+        "rounds/": (contextlib.nullcontext(), 4096),
+        "no_shm/": (mock.patch.object(cpu_collectives, "SHM_DIR", "/nonexistent/shm"), default),
         # rank 1 lives elsewhere: rank 0's file is not there for it
-        "not_shared/": mock.patch("os.path.exists", lambda path: real_exists(path) and rank != 1),
+        "not_shared/": (mock.patch("os.path.exists", lambda path: real_exists(path) and rank != 1), default),
     }
-    for prefix, patch in scenarios.items():
+    for prefix, (patch, buffer_bytes) in scenarios.items():
         with patch, warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
-            usable[prefix] = compare(group, rank, world, prefix, results)
+            usable[prefix] = compare(group, rank, world, prefix, results, buffer_bytes)
         caught[prefix] = [str(r.message) for r in records]
     dist.barrier()
     if rank == 0:
