@@ -3,8 +3,8 @@
 
 gloo moves every byte through TCP, even between processes on one host, and its `reduce_scatter_tensor`
 takes about twice as long as an all-reduce of the same tensor. Measured for one 12 MB layer, 2 ranks
-(`python -m benchmarks.run --only communication`): all-gather 11 ms, reduce-scatter 15 ms over gloo;
-1-3 ms and 4 ms through shared memory. So:
+(`python -m benchmarks.run --only communication`): all-gather 10 ms, reduce-scatter 14 ms over gloo;
+4 ms and 2 ms through shared memory. So:
 
 * ranks all on this host: collectives go through two buffers every rank maps from /dev/shm, in rounds
   of at most `BUFFER_BYTES`, so shared memory stays 2 x `BUFFER_BYTES` per rank whatever the size of an
@@ -89,11 +89,12 @@ class SharedBuffers:
             if not self.usable:
                 return
             try:
-                yield start, count, self._next(count * bytes_per_element)
+                shared = self._next(count * bytes_per_element)
             except SharedMemoryUnavailable as err:
                 self.usable = False
                 warnings.warn(f"FSDP collectives fall back to gloo over TCP: {err}", stacklevel=3)
                 return
+            yield start, count, shared
 
     def _next(self, nbytes: int) -> torch.Tensor:
         self.turn ^= 1
