@@ -42,11 +42,15 @@ def _sum_or_avg(op) -> bool:
     return op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
-class AllToAllReduceScatter:
-    """FSDP2's ReduceScatter protocol: `allocate` a buffer, then reduce-scatter into the output."""
+class _HostComm:
+    """FSDP2 asks its comm objects for their buffers (`allocate`): plain host tensors here."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AllToAllReduceScatter(_HostComm):
+    """FSDP2's ReduceScatter protocol: an all-to-all of the N chunks, then a local sum."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -153,15 +157,12 @@ class SharedBuffers:
         return path, token
 
 
-class SharedMemoryAllGather:
+class SharedMemoryAllGather(_HostComm):
     """FSDP2's AllGather protocol. Each round: every rank writes a piece of its shard into its slot, a
     barrier, every rank copies all slots into its output."""
 
     def __init__(self, buffers: SharedBuffers):
         self.buffers = buffers
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
@@ -180,7 +181,7 @@ class SharedMemoryAllGather:
         return None  # done: FSDP2 takes None as a finished collective, async_op or not
 
 
-class SharedMemoryReduceScatter:
+class SharedMemoryReduceScatter(_HostComm):
     """FSDP2's ReduceScatter protocol. Each round: every rank writes the same piece of each of the N-1
     chunks other ranks own into its slot, a barrier, then each rank sums the pieces of its own chunk, its
     own input's among them, in rank order."""
@@ -188,9 +189,6 @@ class SharedMemoryReduceScatter:
     def __init__(self, buffers: SharedBuffers):
         self.buffers = buffers
         self.fallback = AllToAllReduceScatter()
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):

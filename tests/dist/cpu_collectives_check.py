@@ -24,7 +24,7 @@ def worst(difference: torch.Tensor) -> float:
     return value.item()
 
 
-def compare(group, rank, world, prefix: str, results: dict, buffer_bytes: int) -> list:
+def compare(group, rank, world, prefix: str, results: dict, buffer_bytes: int) -> dict:
     buffers = SharedBuffers(group, buffer_bytes)  # one pair for both kinds, as use_cpu_collectives does
     gather, reduce_scatters = SharedMemoryAllGather(buffers), {
         "all_to_all": AllToAllReduceScatter(), "shared": SharedMemoryReduceScatter(buffers)}
@@ -47,14 +47,15 @@ def compare(group, rank, world, prefix: str, results: dict, buffer_bytes: int) -
                 ours = comm.allocate((chunk,), dtype=torch.float32, device=torch.device("cpu"))
                 comm(ours, full.clone(), group, op)
                 results[f"{prefix}{name}/{op_name}/{round_}"] = worst(ours - expected)
-    return buffers.usable
+    mapped = [buffer.numel() - cpu_collectives.TOKEN_BYTES for buffer in buffers.buffers if buffer is not None]
+    return {"usable": buffers.usable, "largest_buffer": max(mapped, default=0)}
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     before = set(os.listdir(SHM_DIR))
-    results, usable, caught = {}, {}, {}
+    results, buffers, caught = {}, {}, {}
     real_exists = os.path.exists
     default = cpu_collectives.BUFFER_BYTES
     scenarios = {  # prefix: (patch, bytes per buffer)
@@ -68,12 +69,12 @@ def main() -> None:
     for prefix, (patch, buffer_bytes) in scenarios.items():
         with patch, warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
-            usable[prefix] = compare(group, rank, world, prefix, results, buffer_bytes)
+            buffers[prefix] = compare(group, rank, world, prefix, results, buffer_bytes)
         caught[prefix] = [str(r.message) for r in records]
     dist.barrier()
     if rank == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"differences": results, "usable": usable, "warnings": caught,
+            json.dump({"differences": results, "buffers": buffers, "warnings": caught,
                        "left_in_shm": sorted(set(os.listdir(SHM_DIR)) - before)}, f)
     dist.destroy_process_group()
 

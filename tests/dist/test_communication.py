@@ -36,11 +36,20 @@ def test_cpu_collectives_equal_gloo_with_and_without_shared_memory(collectives):
 
 
 def test_shared_memory_falls_back_to_gloo_with_a_warning_and_leaves_no_files(collectives):
-    assert collectives["usable"] == {"": True, "rounds/": True, "no_shm/": False, "not_shared/": False}
+    usable = {scenario: buffers["usable"] for scenario, buffers in collectives["buffers"].items()}
+    assert usable == {"": True, "rounds/": True, "no_shm/": False, "not_shared/": False}
     assert collectives["warnings"][""] == collectives["warnings"]["rounds/"] == []
     assert any("buffer could be made" in w for w in collectives["warnings"]["no_shm/"])
     assert any("is not usable by every rank" in w for w in collectives["warnings"]["not_shared/"])
     assert collectives["left_in_shm"] == []
+
+
+def test_shared_buffers_grow_to_the_largest_round_and_no_further(collectives):
+    """One pair of buffers serves both collectives: the largest call here is a reduce-scatter of 3000 elements
+    per rank at 3 ranks, which shares 2 chunks of 4 bytes each (72,000 bytes); capped at 4 KB, it runs in
+    rounds instead."""
+    assert collectives["buffers"][""]["largest_buffer"] == 3 * 2 * 3000 * 4
+    assert 0 < collectives["buffers"]["rounds/"]["largest_buffer"] <= 4096
 
 
 @pytest.mark.parametrize("reshard", ["true", "false"])
