@@ -274,6 +274,8 @@ def plot(results: dict, path) -> None:
         above = [max(p - b for p, b in zip(r["peak_mb"], r["base_mb"])) for r in rows]
         ax.bar(labels, base, label="libraries (before the model)", color="lightgray")
         ax.bar(labels, above, bottom=base, label="model, optimizer, activations")
+        one_rank = max(next(r for r in rows if r["world_size"] == 1 and r["option"] == "reshard on")["peak_mb"])
+        ax.axhline(0.6 * one_rank, color="k", linestyle="--", linewidth=1, label="target at 2 ranks: 0.6 × 1 rank")
         ax.set_ylabel("peak resident MB per rank")
         ax.set_title(f"Memory per rank ({results['memory']['model']} model)")
         ax.tick_params(axis="x", labelsize=7, labelrotation=60)
@@ -304,7 +306,8 @@ def plot(results: dict, path) -> None:
                 label="minus the root's second gather")
         ax.set_ylabel("MiB sent per rank per step")
         ax.set_title("Communication (20M model)")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.set_ylim(0, 1.45 * max(r["theory_bytes"] / 2**20 for r in rows))  # room for the legend
+        ax.legend(loc="upper left", ncol=2, fontsize=8, markerscale=0.4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
