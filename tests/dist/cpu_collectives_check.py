@@ -1,7 +1,7 @@
 """Run under torchrun: our CPU collectives (backends/torch/cpu_collectives.py) against gloo's, used the way
 FSDP2 uses them, several times with other sizes (the buffers alternate and grow), with shared memory
-working, in many rounds through small buffers, with no /dev/shm, and with a rank that cannot see rank 0's
-file. Writes {case: max abs
+working, in many rounds through small buffers, with no /dev/shm, with a rank that cannot see rank 0's
+file, and with a buffer that cannot be made after a call's first round. Writes {case: max abs
 difference over ranks}, the fall-back warnings and the shared files left behind, from rank 0 to argv[1]."""
 import contextlib
 import json
@@ -56,7 +56,13 @@ def main() -> None:
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     before = set(os.listdir(SHM_DIR))
     results, buffers, caught = {}, {}, {}
-    real_exists = os.path.exists
+    real_exists, real_create = os.path.exists, SharedBuffers._create
+    made = []
+
+    def create_only_one(nbytes):  # rank 0 makes the buffers: the second one fails, in a call's second round
+        made.append(nbytes)
+        return real_create(nbytes) if len(made) == 1 else None
+
     default = cpu_collectives.BUFFER_BYTES
     scenarios = {  # prefix: (patch, bytes per buffer)
         "": (contextlib.nullcontext(), default),
@@ -65,6 +71,8 @@ def main() -> None:
         "no_shm/": (mock.patch.object(cpu_collectives, "SHM_DIR", "/nonexistent/shm"), default),
         # rank 1 lives elsewhere: rank 0's file is not there for it
         "not_shared/": (mock.patch("os.path.exists", lambda path: real_exists(path) and rank != 1), default),
+        # the all-gather's first round went through shared memory, then the whole call is redone over gloo
+        "late_failure/": (mock.patch.object(SharedBuffers, "_create", staticmethod(create_only_one)), 4096),
     }
     for prefix, (patch, buffer_bytes) in scenarios.items():
         with patch, warnings.catch_warnings(record=True) as records:

@@ -28,7 +28,7 @@ def collectives(tmp_path_factory):
 
 def test_cpu_collectives_equal_gloo_with_and_without_shared_memory(collectives):
     differences = collectives["differences"]
-    assert len(differences) == 4 * 4 * 7  # scenarios x sizes x (all-gather + 2 reduce-scatters x 3 ops)
+    assert len(differences) == 5 * 4 * 7  # scenarios x sizes x (all-gather + 2 reduce-scatters x 3 ops)
     for case, difference in differences.items():
         # the all-gather copies bytes; sums may add 3 ranks in another order than gloo; MAX is gloo's own
         limit = 0.0 if "all_gather" in case or "/max/" in case else 1e-5
@@ -37,10 +37,11 @@ def test_cpu_collectives_equal_gloo_with_and_without_shared_memory(collectives):
 
 def test_shared_memory_falls_back_to_gloo_with_a_warning_and_leaves_no_files(collectives):
     usable = {scenario: buffers["usable"] for scenario, buffers in collectives["buffers"].items()}
-    assert usable == {"": True, "rounds/": True, "no_shm/": False, "not_shared/": False}
+    assert usable == {"": True, "rounds/": True, "no_shm/": False, "not_shared/": False, "late_failure/": False}
     assert collectives["warnings"][""] == collectives["warnings"]["rounds/"] == []
     assert any("buffer could be made" in w for w in collectives["warnings"]["no_shm/"])
     assert any("is not usable by every rank" in w for w in collectives["warnings"]["not_shared/"])
+    assert any("buffer could be made" in w for w in collectives["warnings"]["late_failure/"])
     assert collectives["left_in_shm"] == []
 
 
