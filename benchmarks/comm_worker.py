@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import config_from_flags
 from portable_fsdp import backends
-from portable_fsdp.config import apply_override, base_config
 from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.validate import resolve_plan
 
@@ -85,18 +85,10 @@ class ByteCounter:
             setattr(dist, name, call)
 
 
-def config_from(overrides: list):
-    config = base_config()
-    for item in overrides:
-        key, _, value = item[len("--config."):].partition("=")
-        apply_override(config, key, value)
-    return config
-
-
 def measure_steps(overrides: list, steps: int = 2) -> dict:
     counter = ByteCounter()
     counter.install_scalars()
-    config = config_from(overrides)
+    config = config_from_flags(overrides)
     backend = backends.load("cpu")
     state = backend.init(config, resolve_plan(config, int(os.environ["WORLD_SIZE"])), "cpu")
     counter.wrap_fsdp(state.model)
@@ -162,6 +154,8 @@ def time_collectives(numel: int, repeats: int = 10) -> dict:
 
 def main() -> None:
     out, mode, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode not in ("steps", "collectives"):
+        sys.exit(f"error: mode {mode!r}: use steps (with --config.a.b=value flags) or collectives (with an element count)")
     result = measure_steps(overrides) if mode == "steps" else time_collectives(int(overrides[0]))
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:

@@ -15,6 +15,24 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+# A tiny Llama for smoke runs: checks that a benchmark works, measures nothing.
+TINY_MODEL = ["--config.model.hidden_size=64", "--config.model.intermediate_size=160",
+              "--config.model.num_hidden_layers=2", "--config.model.num_attention_heads=4",
+              "--config.model.num_key_value_heads=2"]
+
+
+def config_from_flags(flags: list):
+    """The config `python -m portable_fsdp.run FLAGS` would run, parsed by the CLI's own code (a bad flag is
+    the CLI's one-line UserError)."""
+    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.run import parse_args
+
+    config = load_recipe(None)
+    for key, value in parse_args(flags)[1]:
+        apply_override(config, key, value)
+    return config
+
+
 def run_python(args: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python ARGS` from the repo root. On a timeout (or Ctrl-C) its whole process group is killed: the
     workers our launcher starts are grandchildren, which killing the launcher alone would leave running."""

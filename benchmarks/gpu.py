@@ -28,14 +28,14 @@ import json
 import os
 import pathlib
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.common import ROOT, error_line, machine, run_cli, run_python, table, write_json
+from benchmarks.common import (ROOT, config_from_flags, error_line, free_port, machine, run_cli, run_python, table,
+                               write_json)
 
 INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
@@ -72,17 +72,6 @@ def run_flags(size: dict, backend: str, peak: float, seq_len: int, batch: int, s
             f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
             "--config.train.eval_max_batches=1", "--config.train.warmup_steps=1", "--config.train.lr=3e-4",
             f"--config.train.peak_flops_per_device={peak}"]
-
-
-def build_config(flags: list):
-    """The config `python -m portable_fsdp.run FLAGS` would run, parsed by the CLI's own code."""
-    from portable_fsdp.config import apply_override, load_recipe
-    from portable_fsdp.run import parse_args
-
-    config = load_recipe(None)
-    for key, value in parse_args(flags)[1]:
-        apply_override(config, key, value)
-    return config
 
 
 class Budget:
@@ -152,9 +141,7 @@ def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict
     from portable_fsdp.data.loader import Batch
     from portable_fsdp.plan import ShardingPlan
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     runtime = distributed.initialize(backend, 300)
@@ -163,7 +150,7 @@ def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict
     # The plan's own check: on CPU it refuses cp_impl=torch with its one-line reason.
     cp = CPGroup(group=mesh.get_group(), mesh=mesh, cp_rank=0, cp_size=1, rotate_method=method,
                  impl=ShardingPlan(cp_impl=impl).resolved_cp_impl(device.type), load_balance=True)
-    config = build_config(model_flags(size, layers=1))
+    config = config_from_flags(model_flags(size, layers=1))
     model = model_lib.create_model(config, 0, False)
     apply_context_parallel(model, cp)
     model.to(device, torch.bfloat16)
@@ -212,7 +199,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else None
     spec = next((value for name, value in SPEC_BF16.items() if name in (gpu or "")), 0.0)
     peak = PEAK_BF16 if spec else 0.0
-    n_params = describe_model(build_config(model_flags(size))).n_params
+    n_params = describe_model(config_from_flags(model_flags(size))).n_params
     # A GPU machine runs the mode its GPU count allows; the dry run checks both.
     modes = ["ranks", "one-rank"] if args.dry_run_cpu else ["ranks" if torch.cuda.device_count() >= 2 else "one-rank"]
     what = {"ranks": f"full training steps, --nproc 2 cp_size=2, {size['layers']} layers",

@@ -22,11 +22,10 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.common import run_cli, table, torchrun
+from benchmarks.common import TINY_MODEL, config_from_flags, run_cli, table, torchrun
 
 
 def run_hf_trainer(model_overrides: list[str], seq_len: int, global_batch: int, steps: int, nproc: int = 2,
-                   reshard_after_forward: bool = True, activation_checkpointing: bool = False,
                    timeout: int = 1200) -> dict:
     """Train `steps` optimizer steps on `nproc` ranks; returns the rank-0 result plus tokens_per_sec
     (median step after the first, which pays for warm-up)."""
@@ -36,7 +35,6 @@ def run_hf_trainer(model_overrides: list[str], seq_len: int, global_batch: int, 
     threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory() as workdir:
         spec = {"model_overrides": model_overrides, "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
-                "reshard_after_forward": reshard_after_forward, "activation_checkpointing": activation_checkpointing,
                 "output_dir": workdir, "result": str(pathlib.Path(workdir) / "result.json")}
         # USE_TORCH_XLA=0 (set by torchrun()): with torch_xla installed Accelerate would otherwise not use gloo.
         torchrun(nproc, ["benchmarks.hf_trainer", "--worker", json.dumps(spec)], timeout,
@@ -47,14 +45,7 @@ def run_hf_trainer(model_overrides: list[str], seq_len: int, global_batch: int, 
 
 
 def _config(model_overrides: list[str], seq_len: int, global_batch: int, steps: int):
-    from portable_fsdp.config import apply_override, base_config
-
-    config = base_config()
-    for override in model_overrides:
-        if not override.startswith("--config.") or "=" not in override:
-            raise ValueError(f"{override!r}: give overrides as --config.a.b=value, as to our CLI")
-        dotted, _, raw = override.removeprefix("--config.").partition("=")
-        apply_override(config, dotted, raw)
+    config = config_from_flags(model_overrides)
     config.data.seq_len, config.train.batch_size, config.train.steps = seq_len, global_batch, steps
     return config
 
@@ -119,8 +110,8 @@ def _worker(spec: dict) -> None:
         fsdp=True,
         fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                      "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                     "reshard_after_forward": spec["reshard_after_forward"],
-                     "activation_checkpointing": spec["activation_checkpointing"]},
+                     "reshard_after_forward": config.plan.reshard_after_forward,
+                     "activation_checkpointing": config.plan.activation_checkpointing},
         use_cpu=True, seed=config.seed, report_to="none", save_strategy="no", eval_strategy="no",
         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False)  # else the collator drops `shift_labels` (not a named forward argument)
@@ -134,21 +125,17 @@ def _worker(spec: dict) -> None:
     dist.all_reduce(loss)  # the ranks' shares average to the global per-token loss
     if rank == 0:
         pathlib.Path(spec["result"]).write_text(json.dumps({
-            "step_seconds": timer.seconds, "fsdp2": True, "tokens_per_step": t.batch_size * config.data.seq_len,
+            "step_seconds": timer.seconds, "tokens_per_step": t.batch_size * config.data.seq_len,
             "final_loss": loss.item() / world}))
-
-
-TINY = ["--config.model.hidden_size=64", "--config.model.intermediate_size=160", "--config.model.num_hidden_layers=2",
-        "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2"]
 
 
 def _smoke() -> None:
     seq_len, batch, steps = 64, 4, 4
-    ours = run_cli([*TINY, f"--config.data.seq_len={seq_len}", f"--config.train.batch_size={batch}",
+    ours = run_cli([*TINY_MODEL, f"--config.data.seq_len={seq_len}", f"--config.train.batch_size={batch}",
                     f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
                     "--config.train.eval_max_batches=1"], nproc=2)
     train = [r for r in ours if "loss" in r]
-    hf = run_hf_trainer(TINY, seq_len, batch, steps)
+    hf = run_hf_trainer(TINY_MODEL, seq_len, batch, steps)
     print(table(["framework", "tokens/s (median step)", "final loss"],
                 [["portable_fsdp (FSDP2)", f"{statistics.median(r['tokens_per_sec'] for r in train[1:]):,.0f}",
                   f"{train[-1]['loss']:.4f}"],

@@ -22,12 +22,16 @@ import argparse
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 
-from benchmarks.common import ROOT, machine, run_cli, table, torchrun, write_json
+from benchmarks.common import ROOT, config_from_flags, machine, run_cli, table, torchrun, write_json
 from benchmarks.hf_trainer import run_hf_trainer
 
 RESULTS = ROOT / "benchmarks" / "results"
+# A quick run proves the suite works; its numbers mean nothing, so they stay out of the repository.
+QUICK_RESULTS = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_suite_quick"
 # (hidden, intermediate, layers, heads, kv heads); the byte tokenizer's 384-token vocabulary.
 MODELS = {"20M": (512, 1408, 7, 8, 4), "50M": (640, 1728, 10, 10, 5), "100M": (768, 2048, 16, 12, 6)}
 QUICK_MODELS = {"20M": (64, 160, 2, 4, 2), "50M": (96, 256, 2, 4, 2), "100M": (128, 352, 2, 4, 2)}
@@ -51,10 +55,9 @@ class Suite:
         return 3 if self.quick else normal
 
     def n_params(self, size: str) -> int:
-        from benchmarks.comm_worker import config_from
         from portable_fsdp.backends.torch.model import describe_model
 
-        return describe_model(config_from(self.model_flags(size))).n_params
+        return describe_model(config_from_flags(self.model_flags(size))).n_params
 
     def ours(self, size: str, nproc: int, steps: int, *extra: str, seq_len: int = SEQ_LEN,
              batch: int = GLOBAL_BATCH, env: dict | None = None) -> dict:
@@ -62,7 +65,7 @@ class Suite:
         records = run_cli([*self.model_flags(size), f"--config.data.seq_len={seq_len}", f"--config.train.batch_size={batch}",
                            f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
                            "--config.train.eval_max_batches=1", *extra], nproc=nproc, env=env)
-        train = [r for r in records if "loss" in r and "eval_loss" not in r]
+        train = [r for r in records if "loss" in r]
         end = next(r for r in records if r.get("event") == "end")
         last = train[-1]
         return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in train[1:]),
@@ -319,14 +322,17 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
-    if unknown:
-        parser.error(f"--only: unknown section(s) {unknown}; choose from {SECTIONS}")
-    # A quick run proves the suite works; its numbers mean nothing, so they stay out of the repository.
-    out = (pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_suite_quick") if args.quick else RESULTS / "suite"
+    if unknown or not chosen:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {SECTIONS}" if unknown else
+                     f"--only: no section given; choose from {SECTIONS}")
+    out = QUICK_RESULTS if args.quick else RESULTS / "suite"
     results = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
     suite = Suite(args.quick)
     for section in chosen:
-        results[section] = getattr(suite, section)()
+        try:
+            results[section] = getattr(suite, section)()
+        except (RuntimeError, subprocess.TimeoutExpired) as err:  # a run failed: say which, keep what is done
+            sys.exit(f"error: benchmark section {section!r} failed: {err}")
         results["machine"] = machine()
         write_json(out.with_suffix(".json"), results)  # after every section: a late failure keeps the rest
     text = report(results)
