@@ -71,7 +71,8 @@ def check_lowerable(plan: ShardingPlan, platform: str, config) -> None:
         ("plan.cp_impl", plan.cp_impl, "auto"),
         ("plan.cp_load_balance", plan.cp_load_balance, True),
         ("plan.reduce_dtype", plan.mixed_precision.reduce_dtype, "float32"),
-        ("plan.cpu_ram_efficient_loading", plan.cpu_ram_efficient_loading, False)) if value != default]
+        ("plan.cpu_ram_efficient_loading", plan.cpu_ram_efficient_loading, False),
+        ("plan.cpu_collectives", plan.cpu_collectives, "auto")) if value != default]
     if no_effect:
         warnings.warn(f"{', '.join(no_effect)}: no effect on --backend flax (XLA decides how the sharded "
                       "computation is scheduled)", stacklevel=2)

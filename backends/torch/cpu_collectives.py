@@ -96,6 +96,7 @@ class SharedBuffers:
                 shared = self._next(count * bytes_per_element)
             except SharedMemoryUnavailable as err:
                 self.usable = False
+                self.buffers = [None, None]  # gloo from now on: unmap what was made
                 warnings.warn(f"FSDP collectives fall back to gloo over TCP: {err}", stacklevel=3)
                 return
             yield start, count, shared

@@ -209,29 +209,25 @@ def _gather_data_parallel(full_length: torch.Tensor, ctx: Context) -> torch.Tens
     return torch.cat(parts[::cp_size])
 
 
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's pieces of `tensors` (a DTensor's local shard, a plain tensor whole)."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
 def _state_bytes(state: TrainState) -> int:
     """Bytes of parameters and optimizer state held by this rank."""
-    total = 0
-    for p in state.model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        total += local.numel() * local.element_size()
-    for per_param in state.optimizer.state.values():
-        for value in per_param.values():
-            if torch.is_tensor(value):
-                local = value.to_local() if isinstance(value, DTensor) else value
-                total += local.numel() * local.element_size()
-    return total
+    optimizer_state = (v for per_param in state.optimizer.state.values() for v in per_param.values() if torch.is_tensor(v))
+    return _local_bytes(state.model.parameters()) + _local_bytes(optimizer_state)
 
 
 def _gradient_bytes(state: TrainState) -> int:
     """Bytes of this rank's gradient shards (one per trainable parameter shard, in its dtype), held from
     the backward to the update; freed in between, so counted rather than read."""
-    total = 0
-    for p in state.model.parameters():
-        if p.requires_grad:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            total += local.numel() * local.element_size()
-    return total
+    return _local_bytes(p for p in state.model.parameters() if p.requires_grad)
 
 
 def _memory_now_mb(device: torch.device) -> float:

@@ -64,9 +64,9 @@ class TrainState:
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = rt.initialize(plan)
     support.check_plan(plan, config, runtime.device_type, runtime.world_size)
-    for name in support.ignored_cp_settings(plan):
-        warnings.warn(f"{name} has no effect on --backend xla: the XLA compiler decides how the sequence shards "
-                      "exchange keys and values", stacklevel=2)
+    for name in support.ignored_torch_settings(plan):
+        warnings.warn(f"{name} has no effect on --backend xla: the XLA compiler decides how ranks exchange "
+                      "data", stacklevel=2)
     signature = fsdp_settings.v1_signature()
     settings = plan.xla.xla_fsdp_settings
     if runtime.spmd:

@@ -52,13 +52,13 @@ def _check_mesh(plan: ShardingPlan) -> None:
             "sharding: use plan.cp_impl=auto"))
 
 
-def ignored_cp_settings(plan: ShardingPlan) -> list:
-    """Torch-backend choices of how K/V travel: under SPMD the XLA compiler makes them. Warned about, not
-    refused: they change speed, never the numbers, and a config must run unchanged on either backend."""
-    if plan.mesh.cp_size == 1:
-        return []
-    changed = {"plan.cp_rotate_method": plan.cp_rotate_method != "allgather",
-               "plan.cp_load_balance": not plan.cp_load_balance}
+def ignored_torch_settings(plan: ShardingPlan) -> list:
+    """Torch-backend choices of how data travel between ranks (K/V under CP, FSDP's CPU collectives): on
+    XLA the compiler makes them. Warned about, not refused: they change speed, never the numbers, and a
+    config must run unchanged on either backend."""
+    changed = {"plan.cp_rotate_method": plan.mesh.cp_size > 1 and plan.cp_rotate_method != "allgather",
+               "plan.cp_load_balance": plan.mesh.cp_size > 1 and not plan.cp_load_balance,
+               "plan.cpu_collectives": plan.cpu_collectives != "auto"}
     return [name for name, differs in changed.items() if differs]
 
 

@@ -55,3 +55,12 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_untouched():
     assert not bool(out["finite"])
     after = jax.tree.map(np.asarray, (params, opt_state))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_torch_only_fields_are_named_as_without_effect():
+    from portable_fsdp.backends.flax.step import check_lowerable
+    from portable_fsdp.validate import resolve_plan
+
+    config = make_config({"plan.cpu_collectives": "gloo"})
+    with pytest.warns(UserWarning, match="plan.cpu_collectives: no effect on --backend flax"):
+        check_lowerable(resolve_plan(config, 2), "cpu", config)

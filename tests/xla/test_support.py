@@ -41,10 +41,12 @@ def test_spmd_and_v1_defaults_pass_on_tpu():
     check(*plan_for(4, **{"plan.xla_fsdp_v2": False}))
 
 
-def test_torch_only_cp_settings_are_named_as_ignored():
+def test_torch_only_settings_are_named_as_ignored():
     from portable_fsdp.backends.xla import support
 
     _, plan = plan_for(2, **{"plan.cp_size": 2, "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": False})
-    assert support.ignored_cp_settings(plan) == ["plan.cp_rotate_method", "plan.cp_load_balance"]
+    assert support.ignored_torch_settings(plan) == ["plan.cp_rotate_method", "plan.cp_load_balance"]
     _, plan = plan_for(2, **{"plan.cp_size": 2})
-    assert support.ignored_cp_settings(plan) == []
+    assert support.ignored_torch_settings(plan) == []
+    _, plan = plan_for(2, **{"plan.cpu_collectives": "gloo"})
+    assert support.ignored_torch_settings(plan) == ["plan.cpu_collectives"]
