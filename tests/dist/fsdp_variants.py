@@ -82,9 +82,10 @@ def run_variant(name: str, steps: int, backend) -> dict:
     evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size,
                          documents_end_at=ends)
     initial_eval = evaluate(backend, state, evals)
+    sharded_after_eval = all(isinstance(p, DTensor) for p in state.model.parameters())
     first_predictions = backend.predict_step(state, evals[0])
     unlabeled = backend.predict_step(state, dataclasses.replace(evals[0], labels=None))
-    sharded_after_eval = all(isinstance(p, DTensor) for p in state.model.parameters())
+    sharded_after_eval &= all(isinstance(p, DTensor) for p in state.model.parameters())
     losses = []
     for step in range(steps):
         state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))

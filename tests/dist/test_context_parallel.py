@@ -2,8 +2,6 @@
 single-process reference, and eval_loss / predictions under CP against cp=1."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from portable_fsdp.backends.torch.model import create_model
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.sequence_split import shard_indices
 from tests.dist.fsdp_variants import EVAL_SEQUENCES, make_config
+from tests.dist.launch import torchrun
 from tests.parity.reference import max_relative_difference, reference_losses
 
 HERE = os.path.dirname(__file__)
@@ -29,24 +28,17 @@ def mesh_of(name: str) -> tuple:
     return (2, 2) if name.startswith("fsdp2_cp2") else (1, int(name[2]))
 
 
-def torchrun(nproc: int, script: str, *args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                           os.path.join(HERE, script), *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    torchrun(2, "fsdp_variants.py", str(out / "w2.json"), str(STEPS), *WORLD2)
-    torchrun(4, "fsdp_variants.py", str(out / "w4.json"), str(STEPS), *WORLD4)
+    torchrun(2, os.path.join(HERE, "fsdp_variants.py"), str(out / "w2.json"), str(STEPS), *WORLD2)
+    torchrun(4, os.path.join(HERE, "fsdp_variants.py"), str(out / "w4.json"), str(STEPS), *WORLD4)
     return {**json.loads((out / "w2.json").read_text()), **json.loads((out / "w4.json").read_text())}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_portable_attention_matches_unsharded_forward_and_backward(tmp_path, world):
-    torchrun(world, "cp_attention_check.py", str(tmp_path / "attn.json"))
+    torchrun(world, os.path.join(HERE, "cp_attention_check.py"), str(tmp_path / "attn.json"))
     results = json.loads((tmp_path / "attn.json").read_text())
     assert len(results) == 16  # allgather/alltoall x balanced/contiguous x causal/documents x chunked or not
     for case, diffs in results.items():

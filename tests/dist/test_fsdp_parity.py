@@ -1,11 +1,10 @@
 """FSDP2 on 2 gloo ranks vs the single-process, unsharded reference: 20 per-step losses per plan variant."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.dist.launch import torchrun
 from tests.dist.fsdp_variants import FSDP_VARIANTS, VARIANTS, make_config
 from tests.parity.reference import max_relative_difference, reference_losses
 
@@ -19,11 +18,7 @@ BF16_RTOL = 2.0**-8
 @pytest.fixture(scope="module")
 def variant_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("variants") / "results.json"
-    script = os.path.join(os.path.dirname(__file__), "fsdp_variants.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           script, str(out), str(STEPS), *FSDP_VARIANTS], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(2, os.path.join(os.path.dirname(__file__), "fsdp_variants.py"), str(out), str(STEPS), *FSDP_VARIANTS)
     return json.loads(out.read_text())
 
 
