@@ -1,8 +1,6 @@
 """The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
 
-A backend is a module with init / train_step / eval_step / count_label_tokens / predict_step /
-save_checkpoint / load_checkpoint / memory_report / placement / barrier / any_rank / peak_flops /
-model_info / finalize; its state has a `.step`.
+It drives any module that fulfils `portable_fsdp.backend.Backend`.
 """
 from __future__ import annotations
 
@@ -13,19 +11,12 @@ import statistics
 import time
 
 from portable_fsdp import checkpointing, faults
+from portable_fsdp.backend import Placement
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.errors import Interrupted
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.interrupts import InterruptFlag
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    rank: int
-    world_size: int
-    dp_rank: int  # which slice of the global batch this rank reads
-    dp_size: int
 
 
 @dataclasses.dataclass

@@ -18,8 +18,7 @@ from portable_fsdp.backends.flax import (architecture, convert, devices as devic
                                          optimizer as optimizer_lib, programs as programs_lib, sharding)
 from portable_fsdp.data.loader import Batch
 from portable_fsdp.errors import UserError, require_finite
-from portable_fsdp.loop import Placement
-from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan, StateDictType
 from portable_fsdp.schedule import for_config as schedule_for
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from portable_fsdp.errors import UserError
-from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.backend import ModelInfo
 
 
 def hf_config(model_cfg):

@@ -28,8 +28,7 @@ from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
-from portable_fsdp.loop import Placement
-from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 from portable_fsdp.sequence_split import gathered_order

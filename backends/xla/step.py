@@ -28,8 +28,7 @@ from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params
 from portable_fsdp.backends.xla import runtime as rt, support
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
-from portable_fsdp.loop import Placement
-from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 

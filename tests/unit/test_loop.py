@@ -6,7 +6,7 @@ import time
 
 from portable_fsdp import checkpointing, loop
 from portable_fsdp.config import apply_override, load_recipe
-from portable_fsdp.model_info import ModelInfo
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.validate import resolve_plan
 
 

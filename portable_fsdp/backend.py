@@ -1,0 +1,126 @@
+"""The contract between the neutral core and a lowering: what a backend provides, with the value types
+they exchange. Imports no framework.
+
+A backend is a module (`portable_fsdp.backends.<name>`) whose functions match `Backend` below, name for
+name and parameter for parameter (tests/unit/test_backend_contract.py checks every registered backend).
+The core drives it as a functional loop:
+
+    state = backend.init(config, plan, backend_name)
+    for step ...:
+        state, metrics = backend.train_step(state, micro_batches)
+
+**What `train_step` does to the state it is given.** The torch-based lowerings (cpu, cuda, xla) update the
+model and optimizer in place and return a new `TrainState` that shares them; the flax lowering returns new
+arrays. Either way the state passed in is *consumed*, as a donated buffer is in JAX: use only the returned
+one afterwards (the old one's `step` is stale, and on torch its tensors already hold the new values).
+The same holds for `load_checkpoint`. `eval_step`, `predict_step`, `count_label_tokens` and
+`memory_report` leave the state as it was.
+
+Collectives: every function that takes a state may be a collective; every rank calls it, in the same
+order. `placement`, `model_info` and `finalize` never communicate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Protocol, Sequence, TypedDict
+
+# The keys of `Backend.memory_report`, on every backend: each maps to one value per rank (per device under
+# SPMD / JAX), in MiB.
+MEMORY_KEYS = ("mem_mb", "peak_mem_mb", "state_mb", "grad_mb", "base_mem_mb", "shm_mb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where this process stands: its rank of `world_size`, and which slice of the global batch it reads."""
+
+    rank: int
+    world_size: int
+    dp_rank: int  # which slice of the global batch this process reads
+    dp_size: int  # how many slices the global batch is cut into (1 when one process drives every device)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What start-up validation, the data check and MFU need to know of a model (read on the meta device)."""
+
+    class_names: tuple
+    no_split_modules: tuple
+    n_params: int
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    n_embedding_params: int = 0  # input embedding table(s): no matmul, left out of MFU's 6·N
+
+
+class StepMetrics(TypedDict):
+    """What `train_step` returns besides the state: plain Python numbers, equal on every rank."""
+
+    loss: float  # Σ token losses / Σ label tokens of the whole accumulated global batch
+    tokens: int  # label tokens of the global batch
+    grad_norm: float  # global L2 norm before clipping
+    lr: float
+    skipped: bool  # the update was not applied (train.nonfinite=skip and a non-finite loss or norm)
+
+
+class TrainState(Protocol):
+    """A backend's own state type; the core reads only `step` (optimizer updates applied so far)."""
+
+    step: int
+
+
+class Backend(Protocol):
+    """The functions a backend module provides (signatures as the core calls them)."""
+
+    def describe_model(self, config) -> ModelInfo:
+        """The model's shape and classes, without materialising weights: start-up checks run on it."""
+
+    def init(self, config, plan, backend: str) -> TrainState:
+        """Start the runtime (process group, devices), build the model and the optimizer as `plan` says.
+        `backend` is the name the user chose (cpu and cuda share one lowering)."""
+
+    def train_step(self, state: TrainState, micro_batches: Sequence) -> tuple[TrainState, StepMetrics]:
+        """One optimizer step over this rank's micro-batches (`data.loader.Batch`); consumes `state`."""
+
+    def count_label_tokens(self, state: TrainState, batch) -> int:
+        """num_items_in_batch: label tokens of the global batch, counted before any sequence sharding."""
+
+    def eval_step(self, state: TrainState, batch, num_items_in_batch: int) -> dict:
+        """{"loss_sum": Σ token losses of the global batch}; the eval layer divides once by the tokens."""
+
+    def predict_step(self, state: TrainState, batch, return_logits: bool = False) -> dict:
+        """Full-length predictions of the global batch in token order, as numpy, on every rank:
+        {"predictions", "labels" (when the batch has them), "logits" (when asked)}."""
+
+    def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> None:
+        """Write this rank's part of a checkpoint into `directory` (which exists): the layout is
+        `portable_fsdp.checkpointing`'s."""
+
+    def load_checkpoint(self, state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
+        """Restore weights, optimizer state, step and RNG from a verified checkpoint; consumes `state`."""
+
+    def memory_report(self, state: TrainState) -> dict:
+        """{key: [MiB per rank]} for every key of MEMORY_KEYS."""
+
+    def placement(self, state: TrainState) -> Placement:
+        """This process's rank and data slice."""
+
+    def barrier(self, state: TrainState) -> None:
+        """Wait until every process arrives (bounded by train.collective_timeout_s)."""
+
+    def any_rank(self, state: TrainState, flag: bool) -> bool:
+        """True on every process when `flag` is true on any."""
+
+    def peak_flops(self, state: TrainState) -> float:
+        """The matmul rate one device reaches: the denominator of MFU."""
+
+    def model_info(self, state: TrainState) -> ModelInfo:
+        """The `describe_model` of the model this state trains."""
+
+    def finalize(self, state: TrainState | None = None) -> None:
+        """Tear the runtime down (process group, device queues); `state` may be None after a failed init."""
+
+
+def contract_functions() -> tuple:
+    """The names a backend module must define."""
+    return tuple(name for name in Backend.__dict__ if not name.startswith("_") and callable(Backend.__dict__[name]))
