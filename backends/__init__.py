@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import importlib
 
-from portable_fsdp.errors import UserError
-
-# --backend name -> (module, None) when built, or (None, the product issue it waits for).
+# --backend name -> the module that lowers the plan for it (cpu and cuda share one).
 BACKENDS = {
-    "cpu": ("portable_fsdp.backends.torch", None),
-    "cuda": ("portable_fsdp.backends.torch", None),
-    "xla": ("portable_fsdp.backends.xla", None),
-    "flax": ("portable_fsdp.backends.flax", None),
+    "cpu": "portable_fsdp.backends.torch",
+    "cuda": "portable_fsdp.backends.torch",
+    "xla": "portable_fsdp.backends.xla",
+    "flax": "portable_fsdp.backends.flax",
 }
 CHOICES = ("auto", *BACKENDS)
 
 
 def load(name: str):
-    module, waits_for = BACKENDS[name]
-    if module is None:
-        raise UserError("--backend", f"{name} is not built yet (it waits for {waits_for}); use --backend cpu or cuda")
-    return importlib.import_module(module)
+    return importlib.import_module(BACKENDS[name])
