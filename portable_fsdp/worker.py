@@ -1,20 +1,31 @@
-"""What each training process runs, whether started by our launcher or by torchrun."""
+"""What each training process runs, whether started by our launcher, by torchrun, or in this process."""
 from __future__ import annotations
 
 import os
 import sys
 
 import ml_collections
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from portable_fsdp import backends, loop
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
 
-@record
 def main(spec: dict) -> dict:
-    """`spec` = {"config": the config as a plain dict, "backend": "cpu" | "cuda", "workdir": path}."""
+    """`spec` = {"config": the config as a plain dict, "backend": "cpu" | "cuda" | ..., "workdir": path}.
+    Returns the run's summary; the product's errors end the process with one line and their exit status.
+
+    Under an elastic agent (our launcher or torchrun, which set TORCHELASTIC_ERROR_FILE) torch's `record`
+    writes any other exception to that file, which the agent reads to name the failed rank and its error.
+    It is applied here, at call time, so that importing this module imports no framework."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(spec)
+    return _main(spec)
+
+
+def _main(spec: dict) -> dict:
     config = ml_collections.ConfigDict(spec["config"])
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
