@@ -1,9 +1,11 @@
 """Process-group set-up for one worker: gloo on CPU, NCCL on CUDA, with a bounded collective timeout."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,10 +33,28 @@ def initialize(backend: str, timeout_s: int) -> Runtime:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if backend == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "cuda" else None)
+        with gloo_banner_hidden():
+            dist.init_process_group(backend="nccl" if backend == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if backend == "cuda" else None)
     return Runtime(backend, rank, world_size, local_rank, device)
+
+
+@contextlib.contextmanager
+def gloo_banner_hidden():
+    """Around creating process groups: gloo prints "[Gloo] Rank r is connected to n peer ranks..." to stdout
+    (std::cout, with no setting to turn it off) once per rank and group. Standard output is pointed at
+    /dev/null meanwhile; stderr, where torch's warnings and errors go, is left alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def shutdown() -> None:

@@ -5,6 +5,7 @@ import dataclasses
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from portable_fsdp.backends.torch.distributed import gloo_banner_hidden
 from portable_fsdp.plan import MeshSpec
 
 
@@ -18,6 +19,11 @@ class Meshes:
 
 
 def build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
+    with gloo_banner_hidden():  # the sub-meshes' groups connect here
+        return _build_meshes(spec, device_type)
+
+
+def _build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
     if spec.cp_size == 1:
         mesh = init_device_mesh(device_type, (spec.fsdp_size,), mesh_dim_names=("fsdp",))
         return Meshes(mesh, None, mesh.get_local_rank("fsdp"), spec.fsdp_size, 0)

@@ -12,7 +12,17 @@ import torch.nn.functional as F
 
 from tests.conftest import ROOT, TEST_RECIPE, cli, read_metrics
 
-TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_mb", "peak_mem_mb", "state_mb"}
+from portable_fsdp.backend import MEMORY_KEYS
+
+TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", *MEMORY_KEYS}
+
+
+def assert_memory_report(records, entries: int) -> None:
+    """The `start` record is exactly the memory report: every key of MEMORY_KEYS, one value per rank/device."""
+    (start,) = [r for r in records if r.get("event") == "start"]
+    assert set(start) == {"step", "event", *MEMORY_KEYS}
+    assert all(len(start[key]) == entries and all(v >= 0 for v in start[key]) for key in MEMORY_KEYS)
+    assert all(v > 0 for key in ("mem_mb", "peak_mem_mb", "state_mb", "grad_mb", "base_mem_mb") for v in start[key])
 
 
 def split(records):
@@ -29,6 +39,7 @@ def test_default_command_trains_evaluates_and_saves(tmp_path):
     assert train[-1]["step"] == 300
     assert all(TRAIN_KEYS <= set(r) for r in train)
     assert all(len(r["mem_mb"]) == 2 and len(r["state_mb"]) == 2 for r in train)  # one entry per rank
+    assert_memory_report(read_metrics(workdir), entries=2)
     assert train[-1]["loss"] < train[0]["loss"] - 2.0  # it learns: ~5.5 -> ~2.4
     assert [e["step"] for e in evals] == [100, 200, 300]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_tokens"] > 0
