@@ -135,9 +135,10 @@ def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from portable_fsdp.backends.torch import distributed, model as model_lib
+    from portable_fsdp.backends.hf_torch import model as model_lib
+    from portable_fsdp.backends.hf_torch.loss import token_loss_sum
+    from portable_fsdp.backends.torch import distributed
     from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
-    from portable_fsdp.backends.torch.step import token_loss_sum
     from portable_fsdp.data.loader import Batch
     from portable_fsdp.plan import ShardingPlan
 
@@ -193,7 +194,7 @@ def main() -> None:
             sys.exit(err.line())
         return
 
-    from portable_fsdp.backends.torch.model import describe_model
+    from portable_fsdp.backends.hf_torch.model import describe_model
 
     budget = Budget(BUDGET_S)
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else None

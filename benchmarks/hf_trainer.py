@@ -59,7 +59,7 @@ def _worker(spec: dict) -> None:
     from torch.distributed.tensor import DTensor
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from portable_fsdp.backends.torch.model import create_model
+    from portable_fsdp.backends.hf_torch.model import create_model
     from portable_fsdp.data.loader import build_token_data
 
     class FSDP2Trainer(Trainer):

@@ -55,7 +55,7 @@ class Suite:
         return 3 if self.quick else normal
 
     def n_params(self, size: str) -> int:
-        from portable_fsdp.backends.torch.model import describe_model
+        from portable_fsdp.backends.hf_torch.model import describe_model
 
         return describe_model(config_from_flags(self.model_flags(size))).n_params
 

@@ -55,7 +55,7 @@ def from_hf_config(hf_config) -> LlamaArchitecture:
 def describe_model(config):
     """ModelInfo for start-up validation, from the same transformers config the torch backends read;
     a model the Flax Llama cannot compute is refused here, before training starts."""
-    from portable_fsdp.backends.torch.model import describe_model as describe_torch_model, hf_config
+    from portable_fsdp.backends.hf_torch.model import describe_model as describe_torch_model, hf_config
 
     from_hf_config(hf_config(config.model))
     return describe_torch_model(config)

@@ -4,7 +4,7 @@
   clip_by_global_norm divides by the norm without the 1e-6).
 - AdamW: optax.adamw is torch's update — bias-corrected moments, eps added outside the square root,
   decay decoupled and scaled by the learning rate — with decay masked to >= 2-D parameters as in
-  backends/torch/optimizer.py build_adamw.
+  backends/hf_torch/optimizer.py build_adamw.
 - The learning rate is a hyperparameter set before every step from portable_fsdp.schedule, so both
   backends read the same number.
 Gradient accumulation is not optax.MultiSteps: that averages per micro-batch; step.py sums token

@@ -98,7 +98,7 @@ def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
 def initial_weights(config, remat: bool) -> tuple:
     """The torch backends' initial model — seeded random init, or model.init_from — converted, so both
     backends start from one set of weights. (model_def, {flax name: numpy}, hf config, torch names)."""
-    from portable_fsdp.backends.torch.model import create_model
+    from portable_fsdp.backends.hf_torch.model import create_model
 
     hf_model = create_model(config, rank=0, rank0_only=False)
     arch = architecture.from_hf_config(hf_model.config)

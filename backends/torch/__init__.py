@@ -1,18 +1,12 @@
 """The torch lowering: FSDP2 (`fully_shard`) over NCCL (`--backend cuda`) or gloo (`--backend cpu`).
 
-The functional surface the neutral loop drives: `init`, `train_step`, `eval_step`,
-`save_checkpoint`, `load_checkpoint`, plus `describe_model` for start-up validation.
+The functions below are its side of the backend contract: the `Backend` Protocol in portable_fsdp/backend.py.
+The transformers model, the loss and the optimizer come from backends/hf_torch, shared with the xla lowering.
 """
-import os
-
-# torch_xla shares the venv; without this, transformers and accelerate probe it and log noise.
-os.environ.setdefault("USE_TORCH_XLA", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub at run time
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-from portable_fsdp.backends.torch.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from portable_fsdp.backends.torch.model import describe_model  # noqa: E402
-from portable_fsdp.backends.torch.step import (any_rank, barrier, count_label_tokens, eval_step, finalize, init,  # noqa: E402
+# hf_torch first: importing it sets the environment transformers reads when it is first imported.
+from portable_fsdp.backends.hf_torch.model import describe_model
+from portable_fsdp.backends.torch.checkpoint import load_checkpoint, save_checkpoint
+from portable_fsdp.backends.torch.step import (any_rank, barrier, count_label_tokens, eval_step, finalize, init,
                                               memory_report, model_info, peak_flops, placement, predict_step,
                                               train_step)
 

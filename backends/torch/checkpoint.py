@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 

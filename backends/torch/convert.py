@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from portable_fsdp import checkpointing
-from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp.errors import UserError
 
 

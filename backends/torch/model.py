@@ -1,83 +1,10 @@
-"""Building the transformers model: random init from the config, or a local `from_pretrained` directory,
-optionally on rank 0 only (`cpu_ram_efficient_loading`)."""
+"""Filling a model built on the meta device (hf_torch.model.create_model with `rank0_only`) from rank 0's
+weights once FSDP has sharded it (`cpu_ram_efficient_loading`)."""
 from __future__ import annotations
-
-import pathlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-from portable_fsdp.errors import UserError
-from portable_fsdp.backend import ModelInfo
-
-
-def hf_config(model_cfg):
-    from transformers import AutoConfig, LlamaConfig
-
-    if model_cfg.init_from:
-        directory = pathlib.Path(model_cfg.init_from)
-        if (directory / "sharded").is_dir() and not any(directory.glob("*.safetensors")):
-            raise UserError("model.init_from", (
-                f"{directory} is a SHARDED_STATE_DICT checkpoint, which loads only into FSDP (resume it with "
-                f"train.resume) — convert it first: python -m portable_fsdp.convert {directory} OUT_DIR"))
-        if not (directory / "config.json").is_file():
-            raise UserError("model.init_from", f"{directory} is not a local model directory (no config.json)")
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    else:
-        config = LlamaConfig(
-            vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
-            intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_hidden_layers,
-            num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_key_value_heads,
-            max_position_embeddings=model_cfg.max_position_embeddings, rope_theta=model_cfg.rope_theta,
-            rms_norm_eps=model_cfg.rms_norm_eps, tie_word_embeddings=model_cfg.tie_word_embeddings,
-            initializer_range=model_cfg.initializer_range)
-    config._attn_implementation = model_cfg.attn_implementation
-    return config
-
-
-def describe_model(config) -> ModelInfo:
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_config(config.model)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    unique = {id(p): p.numel() for p in model.parameters()}
-    return ModelInfo(
-        class_names=tuple(sorted({type(m).__name__ for m in model.modules()})),
-        no_split_modules=tuple(model._no_split_modules or ()),
-        n_params=sum(unique.values()), n_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size)
-
-
-def create_model(config, rank: int, rank0_only: bool):
-    """The unsharded model on CPU in fp32 — or on the meta device on ranks other than 0 when
-    `rank0_only`, to be filled by `broadcast_from_rank0` once sharded."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_config(config.model)
-    if rank0_only and rank != 0:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    torch.manual_seed(config.seed)  # every rank (and a 1-process run) starts from the same weights
-    if config.model.init_from:
-        return AutoModelForCausalLM.from_pretrained(config.model.init_from, config=cfg, local_files_only=True,
-                                                    dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-
-
-def freeze_parameters(model, patterns: str) -> None:
-    """Set requires_grad=False on parameters whose name matches any of the comma-separated regexes."""
-    import re
-
-    regexes = [re.compile(p.strip()) for p in patterns.split(",") if p.strip()]
-    names = [name for name, _ in model.named_parameters()]
-    for regex in regexes:
-        if not any(regex.search(name) for name in names):
-            raise UserError("train.freeze", f"{regex.pattern!r} matches no parameter; names look like {', '.join(names[:3])}")
-    for name, param in model.named_parameters():
-        if any(regex.search(name) for regex in regexes):
-            param.requires_grad_(False)
 
 
 def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
@@ -93,13 +20,3 @@ def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
             buffer = getattr(module, name)
             if buffer is not None:
                 dist.broadcast(buffer, src=0)
-
-
-def full_state_dict_with_ties(model, state_dict: dict) -> dict:
-    """Checkpoints omit tied copies (HF writes `lm_head.weight` once, as the embedding); put them back."""
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    if isinstance(tied, dict):
-        for target, source in tied.items():
-            if target not in state_dict and source in state_dict:
-                state_dict[target] = state_dict[source]
-    return state_dict

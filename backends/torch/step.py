@@ -1,5 +1,5 @@
-"""The functional training surface of the torch lowering: `init(config, plan) -> state`,
-`train_step(state, micro_batches) -> (state, metrics)`, `eval_step(state, batch) -> metrics`.
+"""The torch lowering's side of the backend contract (the `Backend` Protocol in portable_fsdp/backend.py):
+start-up, the training and evaluation steps, and what the loop asks of a running state.
 
 Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch, the tokens
 counted before context parallelism shards a batch. FSDP averages gradients over the ranks it shards
@@ -8,6 +8,7 @@ PREMUL_SUM to do it inside the reduce-scatter).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import resource
@@ -16,18 +17,19 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp import faults
-from portable_fsdp.backends.torch import distributed, model as model_lib
+from portable_fsdp.backends.hf_torch import model as model_lib
+from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
+from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
+from portable_fsdp.backends.torch import distributed
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
-from portable_fsdp.backends.torch.optimizer import apply_update, build_adamw
+from portable_fsdp.backends.torch.model import broadcast_from_rank0
 from portable_fsdp.backends.torch.parallelize import parallelize
-from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp.data.loader import Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
@@ -81,17 +83,12 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if cp is not None:
         apply_context_parallel(model, cp)
     parallelize(model, plan, meshes.shard, layer_classes, runtime.device.type)
+    parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
     if rank0_only:
-        model_lib.broadcast_from_rank0(model, full_weights, torch.device("cpu") if plan.cpu_offload else runtime.device)
-    optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train)
+        broadcast_from_rank0(model, full_weights, parameters_on)
+    optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train),
                                                           baseline_mb))
-
-
-def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids) -> torch.Tensor:
-    """Σ of token losses over this rank's tokens (labels were shifted before any sharding)."""
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _all_reduce_sum(values: list, device: torch.device) -> list:
@@ -108,15 +105,16 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     (global_tokens,) = _all_reduce_sum([counted], device)
     # FSDP averages gradients over its mesh (fsdp x cp ranks); undo that so they sum, then divide by tokens.
     scale = ctx.meshes.shard.size() / max(global_tokens, 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for index, batch in enumerate(micro_batches):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+
+    @contextlib.contextmanager
+    def forward(index: int, batch: Batch):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # reduce-scatter after the last only
+        # The backward runs inside: checkpointed layers re-run CP attention on these shards.
         with sequence_shard(ctx.cp, batch, device) as (input_ids, labels, positions):
-            batch_loss = token_loss_sum(model, input_ids, labels, positions)
-            if faults.poison_loss(ctx.runtime.rank, state.step + 1):
-                batch_loss = batch_loss * float("nan")
-            (batch_loss * scale).backward()  # inside: checkpointed layers re-run CP attention in backward
-        loss_sum += batch_loss.detach().double()
+            yield token_loss_sum(model, input_ids, labels, positions)
+
+    loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
+                                    sum_dtype=torch.float64)
     (total_loss,) = _all_reduce_sum([loss_sum.item()], device)
     loss = total_loss / max(global_tokens, 1.0)
     grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)

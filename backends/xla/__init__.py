@@ -6,7 +6,7 @@ CPU devices) once, so importing this package imports no torch_xla: the launcher 
 """
 import importlib
 
-from portable_fsdp.backends.torch.model import describe_model  # the same transformers model: shared
+from portable_fsdp.backends.hf_torch.model import describe_model  # the same transformers model: shared
 
 _SURFACE = {
     "init": "step", "train_step": "step", "eval_step": "step", "count_label_tokens": "step",

@@ -15,7 +15,7 @@ import pathlib
 import torch
 import torch_xla.core.xla_model as xm
 
-from portable_fsdp.backends.torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp.backends.xla import full_state, runtime as rt, shard_files
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType

@@ -1,5 +1,5 @@
-"""The functional training surface of the torch_xla lowering: `init(config, plan) -> state`,
-`train_step(state, micro_batches) -> (state, metrics)`, `eval_step(state, batch) -> metrics`.
+"""The torch_xla lowering's side of the backend contract (the `Backend` Protocol in portable_fsdp/backend.py):
+start-up, the training and evaluation steps, and what the loop asks of a running state.
 
 Numerics are the torch backend's: loss = Σ token losses / Σ label tokens of the whole accumulated batch,
 AdamW with decay on >= 2-D parameters, the schedule's lr set each step, global-norm clipping. A step is two
@@ -20,10 +20,9 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 
-from portable_fsdp import faults
-from portable_fsdp.backends.torch.model import create_model, describe_model, freeze_parameters
-from portable_fsdp.backends.torch.optimizer import apply_update
-from portable_fsdp.backends.torch.step import token_loss_sum
+from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
+from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
+from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params as params_lib
 from portable_fsdp.backends.xla import runtime as rt, support
 from portable_fsdp.backends.xla.parallelize import parallelize
@@ -116,15 +115,15 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     tokens = rt.device_sum(runtime, sum((labels != IGNORE_INDEX).sum() for _, labels, _ in inputs))
     # XlaFullyShardedDataParallel averages gradients over its processes: scale so they sum instead.
     scale = (1 if runtime.spmd else runtime.world_size) / tokens.clamp(min=1)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=runtime.device)
-    for index, (input_ids, labels, positions) in enumerate(inputs):
-        batch_loss = _loss_sum(ctx, model, input_ids, labels, positions)
-        if faults.poison_loss(runtime.rank, state.step + 1):
-            batch_loss = batch_loss * float("nan")
-        (batch_loss * scale).backward()
-        loss_sum = loss_sum + batch_loss.detach()
+
+    @contextlib.contextmanager
+    def forward(index: int, micro_batch: tuple):
+        yield _loss_sum(ctx, model, *micro_batch)
         if index < len(inputs) - 1:
             rt.sync()  # one graph per micro-batch keeps graphs small and their number bounded
+
+    loss_sum = accumulate_gradients(inputs, forward, scale, rank=runtime.rank, step=state.step + 1,
+                                    sum_dtype=torch.float32)
     loss = rt.device_sum(runtime, loss_sum) / tokens.clamp(min=1)
     grad_norm = optim.clip_grad_norm(runtime, [n.param for n in ctx.named], ctx.config.train.max_grad_norm)
     rt.sync()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portable_fsdp.backends.torch.model import create_model
+from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.sequence_split import shard_indices
 from tests.dist.fsdp_variants import EVAL_SEQUENCES, make_config

@@ -3,8 +3,8 @@ backend makes (position ids restarting per document, no cache)."""
 import numpy as np
 import torch
 
-from portable_fsdp.backends.torch.model import create_model
-from portable_fsdp.backends.torch.step import token_loss_sum
+from portable_fsdp.backends.hf_torch.model import create_model
+from portable_fsdp.backends.hf_torch.loss import token_loss_sum
 from portable_fsdp.config import load_recipe
 from portable_fsdp.data.loader import IGNORE_INDEX, _as_batch
 

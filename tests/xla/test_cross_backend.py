@@ -52,7 +52,7 @@ def test_xla_checkpoint_is_a_transformers_directory_of_trained_weights(chain):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from portable_fsdp.backends.torch.model import create_model
+    from portable_fsdp.backends.hf_torch.model import create_model
 
     _, _, _, xla_ckpt = chain
     model = AutoModelForCausalLM.from_pretrained(xla_ckpt, local_files_only=True)

@@ -1,0 +1,11 @@
+"""What both torch-based lowerings (backends/torch: FSDP2 on cpu/cuda; backends/xla: torch_xla) share: the
+transformers model (`model`), the loss and its accumulation over micro-batches (`loss`), and the AdamW
+update (`optimizer`). Nothing here shards or communicates: each backend does that around these pieces.
+"""
+import os
+
+# Set before transformers is first imported (through this package, by both torch-based backends): it must not
+# probe torch_xla (the xla backend's model code is the same either way) nor fetch anything from a hub.
+os.environ.setdefault("USE_TORCH_XLA", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
