@@ -17,7 +17,7 @@ The same holds for `load_checkpoint`. `eval_step`, `predict_step`, `count_label_
 `memory_report` leave the state as it was.
 
 Collectives: every function that takes a state may be a collective; every rank calls it, in the same
-order. `placement`, `model_info` and `finalize` never communicate.
+order. `placement`, `model_info`, `device_kind` and `finalize` never communicate.
 """
 from __future__ import annotations
 
@@ -111,8 +111,15 @@ class Backend(Protocol):
     def any_rank(self, state: TrainState, flag: bool) -> bool:
         """True on every process when `flag` is true on any."""
 
-    def peak_flops(self, state: TrainState) -> float:
-        """The matmul rate one device reaches: the denominator of MFU."""
+    def device_kind(self, state: TrainState) -> str:
+        """The device this process computes on, as its framework names it ("NVIDIA H100 80GB HBM3",
+        "TPU v5 lite"; "cpu" on a CPU): MFU's datasheet peak is looked up by it (`portable_fsdp.hardware`)."""
+
+    def time_matmul(self, state: TrainState, size: int, dtype: str) -> float:
+        """Seconds one (size × size) @ (size × size) product in `dtype` (a plan dtype name) takes, operands
+        already on the device, until the result is ready, every device this process drives computing its own
+        copy at once: the primitive behind the measured peak, which `portable_fsdp.hardware` warms up and
+        repeats."""
 
     def model_info(self, state: TrainState) -> ModelInfo:
         """The `describe_model` of the model this state trains."""

@@ -161,3 +161,16 @@ def check_compatible(manifest: dict, config) -> None:
     if differing:
         raise UserError("train.resume", (f"the checkpoint was written for another model ({'; '.join(differing)}); "
                                          "use the model config it was trained with, or a new --workdir"))
+
+
+def restores_rng(manifest: dict, backend_name: str, world_size: int) -> bool:
+    """Whether a resume restores the saved RNG states, on every backend that saves them: only into the same
+    backend at the same world size, where rank r's saved stream is the one rank r would have drawn. Elsewhere
+    each rank starts the fresh stream `resume_seed` gives (a bit-exact resume is promised only there)."""
+    return manifest.get("backend") == backend_name and manifest.get("world_size") == world_size
+
+
+def resume_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of `rank` resuming at `step` when the saved RNG is not restored: deterministic, distinct per
+    rank and per resume point."""
+    return seed + step * 1000 + rank

@@ -10,7 +10,7 @@ import pathlib
 import statistics
 import time
 
-from portable_fsdp import checkpointing, faults
+from portable_fsdp import checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.errors import Interrupted
@@ -64,8 +64,11 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     log = MetricsLog(workdir, is_main)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     progress = Progress(t.steps, start, is_main and t.progress_bar)
-    model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len)
-    peak = backend.peak_flops(state)
+    model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len,
+                                  info.n_embedding_params)
+    peak = hardware.peak_flops_per_device(t.peak_flops_per_device, backend.device_kind(state),
+                                          plan.mixed_precision.param_dtype,
+                                          lambda size, dtype: backend.time_matmul(state, size, dtype))
     clock, step_times, window, first_loss, last = Stopwatch(), [], [], None, {}
     bookkeeping = 0.0  # seconds of logging, metrics and progress bar between steps (eval and saves excluded)
     saved, evaluated, stop_reason, skipped = None, None, None, 0

@@ -22,7 +22,8 @@ _DEFINED_IN = {
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "memory_report": "resources",
-    "peak_flops": "resources",
+    "device_kind": "resources",
+    "time_matmul": "resources",
     **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
                      "barrier", "any_rank", "model_info", "finalize"), "step"),
 }

@@ -1,59 +1,74 @@
-"""What the metrics report about the devices: memory per device and the matmul rate behind MFU."""
+"""What the metrics report about the devices: memory per device, and the device kind and matmul timing behind
+MFU's peak (the rule itself is portable_fsdp.hardware's)."""
 from __future__ import annotations
 
-import math
-import resource
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import psutil
+import numpy as np
 
-from portable_fsdp.backends.flax.step import TrainState
+from portable_fsdp import host_memory
+
+if TYPE_CHECKING:
+    from portable_fsdp.backends.flax.step import TrainState
 
 
-def _state_bytes_per_device(state: TrainState) -> dict:
+def _bytes_per_device(leaves) -> dict:
     held: dict = {}
-    for leaf in jax.tree.leaves((state.params, state.opt_state)):
+    for leaf in leaves:
         for shard in getattr(leaf, "addressable_shards", ()):
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     return held
 
 
+def _device_stats(device) -> dict | None:
+    """Allocator statistics of an accelerator; None for host CPU devices, which share this process's memory."""
+    return device.memory_stats() if device.platform != "cpu" else None
+
+
+def memory_now_mb(device) -> float:
+    """Bytes in use on an accelerator; this process's resident set for a host CPU device."""
+    stats = _device_stats(device)
+    return stats.get("bytes_in_use", 0) / 2**20 if stats else host_memory.resident_mb()
+
+
 def memory_report(state: TrainState) -> dict:
-    """Per-device MiB. Host CPU devices share this process's memory, so there mem_mb / peak_mem_mb are the
-    process's (the same number for every device); state_mb is what each device holds."""
+    """Per-device MiB, the keys of MEMORY_KEYS. Host CPU devices share this process's memory, so there mem_mb,
+    peak_mem_mb, base_mem_mb (before the model existed) and shm_mb are the process's (the same number for every
+    device); state_mb (parameters and optimizer state) and grad_mb (one gradient per parameter shard, held
+    during a step, counted rather than read) are what each device holds."""
     devices = list(state.ctx.mesh.devices.flat)
-    held = _state_bytes_per_device(state)
-    current, peak = [], []
+    held = _bytes_per_device(jax.tree.leaves((state.params, state.opt_state)))
+    grads = _bytes_per_device(jax.tree.leaves(state.params))  # the flax lowering trains every parameter
+    current, peak, shared = [], [], []
     for device in devices:
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats:
-            current.append(stats.get("bytes_in_use", 0) / 2**20)
-            peak.append(stats.get("peak_bytes_in_use", 0) / 2**20)
-        else:
-            current.append(psutil.Process().memory_info().rss / 2**20)
-            peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)
+        stats = _device_stats(device)
+        current.append(memory_now_mb(device))
+        peak.append(stats.get("peak_bytes_in_use", 0) / 2**20 if stats else host_memory.peak_resident_mb())
+        shared.append(0.0 if stats else host_memory.shared_resident_mb())
+    baseline = state.ctx.baseline_mb or (0.0,) * len(devices)
     return {"mem_mb": [round(m, 1) for m in current], "peak_mem_mb": [round(m, 1) for m in peak],
-            "state_mb": [round(held.get(d, 0) / 2**20, 2) for d in devices]}
+            "state_mb": [round(held.get(d, 0) / 2**20, 2) for d in devices],
+            "grad_mb": [round(grads.get(d, 0) / 2**20, 2) for d in devices],
+            "base_mem_mb": [round(m, 1) for m in baseline], "shm_mb": [round(m, 1) for m in shared]}
 
 
-def peak_flops_per_device(devices: list) -> float:
-    """The float32 matmul rate one device reaches. Host CPU devices share the cores, so the rate one of
-    them measures (using every core) is split between them."""
-    size = 1024
-    a = jax.device_put(jnp.ones((size, size), jnp.float32), devices[0])
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
-    best = math.inf
-    for _ in range(5):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    rate = 2 * size**3 / best
-    return rate / len(devices) if devices[0].platform == "cpu" else rate
+def device_kind(state: TrainState) -> str:
+    device = state.ctx.mesh.devices.flat[0]
+    return "cpu" if device.platform == "cpu" else device.device_kind
 
 
-def peak_flops(state: TrainState) -> float:
-    configured = state.ctx.config.train.peak_flops_per_device
-    return configured or peak_flops_per_device(list(state.ctx.mesh.devices.flat))
+_matmul = jax.jit(lambda x, y: x @ y)  # the output keeps the operands' (replicated) sharding
+
+
+def time_matmul(state: TrainState, size: int, dtype: str) -> float:
+    """Seconds of one size x size product: the operands replicated over the mesh, so every device computes its
+    own copy at once (host CPU devices share the cores, as portable_fsdp.hardware asks)."""
+    replicated = jax.sharding.NamedSharding(state.ctx.mesh, jax.sharding.PartitionSpec())
+    a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype), replicated)
+    a.block_until_ready()
+    start = time.perf_counter()
+    _matmul(a, a).block_until_ready()  # compiled once per shape and dtype, in hardware's warm-up
+    return time.perf_counter() - start

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, model as model_lib,
-                                         optimizer as optimizer_lib, programs as programs_lib, sharding)
+                                         optimizer as optimizer_lib, programs as programs_lib, resources,
+                                         sharding)
 from portable_fsdp.data.loader import Batch
 from portable_fsdp.errors import UserError, require_finite
 from portable_fsdp.backend import ModelInfo, Placement
@@ -40,6 +41,7 @@ class Context:
     opt_sharding: object
     programs: programs_lib.Programs
     schedule: object
+    baseline_mb: tuple = ()  # per device of the mesh: its memory before the model existed (resources.py)
 
 
 @dataclasses.dataclass
@@ -79,6 +81,7 @@ def check_lowerable(plan: ShardingPlan, platform: str, config) -> None:
 
 def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
     devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
+    baseline_mb = tuple(resources.memory_now_mb(device) for device in devices)
     check_lowerable(plan, devices[0].platform, config)
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
@@ -91,7 +94,7 @@ def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype)
     ctx = Context(config, plan, architecture.describe_model(config), hf_config, torch_names, model_def, mesh,
-                  param_sharding, opt_sharding, programs, schedule_for(config.train))
+                  param_sharding, opt_sharding, programs, schedule_for(config.train), baseline_mb)
     return TrainState(params, opt_state, 0, ctx)
 
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
+from portable_fsdp import checkpointing
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
@@ -54,13 +55,14 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
     else:
         raise UserError("train.resume", f"{directory} holds neither model.safetensors nor sharded/; it is not a checkpoint")
     rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.exists() and manifest.get("world_size") == dist.get_world_size():
+    backend_name = state.ctx.runtime.device.type  # cpu or cuda: the name the run was started with
+    if rng_file.exists() and checkpointing.restores_rng(manifest, backend_name, dist.get_world_size()):
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    else:  # another world size: a fresh, still deterministic stream per rank
-        torch.manual_seed(state.ctx.config.seed + manifest["step"] * 1000 + dist.get_rank())
+    else:  # another backend or world size: a fresh, still deterministic stream per rank
+        torch.manual_seed(checkpointing.resume_seed(state.ctx.config.seed, manifest["step"], dist.get_rank()))
     return dataclasses.replace(state, step=manifest["step"])
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import resource
 import time
 
 import numpy as np
@@ -30,6 +29,7 @@ from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.model import broadcast_from_rank0
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.data.loader import Batch
+from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
@@ -231,20 +231,7 @@ def _memory_now_mb(device: torch.device) -> float:
     """Allocated device memory on CUDA; the resident set of this process on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _shared_memory_mb() -> float:
-    """Resident shared memory of this process (the CPU collectives' buffers, mapped by every rank: counted
-    in each rank's resident set, but held once)."""
-    try:
-        with open("/proc/self/status") as status:
-            line = next((line for line in status if line.startswith("RssShmem:")), None)
-    except OSError:
-        return 0.0
-    return int(line.split()[1]) / 2**10 if line else 0.0
+    return host_memory.resident_mb()
 
 
 def memory_report(state: TrainState) -> dict:
@@ -257,8 +244,8 @@ def memory_report(state: TrainState) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    shared = _shared_memory_mb() if device.type == "cpu" else 0.0
+        peak = host_memory.peak_resident_mb()
+    shared = host_memory.shared_resident_mb() if device.type == "cpu" else 0.0
     mine = torch.tensor([_memory_now_mb(device), peak, _state_bytes(state) / 2**20, _gradient_bytes(state) / 2**20,
                          state.ctx.baseline_mb, shared],
                         dtype=torch.float64, device=device)
@@ -268,21 +255,6 @@ def memory_report(state: TrainState) -> dict:
     return {"mem_mb": rows[:, 0].round(1).tolist(), "peak_mem_mb": rows[:, 1].round(1).tolist(),
             "state_mb": rows[:, 2].round(2).tolist(), "grad_mb": rows[:, 3].round(2).tolist(),
             "base_mem_mb": rows[:, 4].round(1).tolist(), "shm_mb": rows[:, 5].round(1).tolist()}
-
-
-def peak_flops_per_device(device: torch.device) -> float:
-    """The matmul rate this process reaches (fp32 on CPU, bf16 on GPU): the denominator of MFU."""
-    size, dtype = (1024, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        (a @ b).sum().item()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def placement(state: TrainState) -> Placement:
@@ -301,9 +273,21 @@ def any_rank(state: TrainState, flag: bool) -> bool:
     return bool(tensor.item())
 
 
-def peak_flops(state: TrainState) -> float:
-    configured = state.ctx.config.train.peak_flops_per_device
-    return configured or peak_flops_per_device(state.ctx.runtime.device)
+def device_kind(state: TrainState) -> str:
+    device = state.ctx.runtime.device
+    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def time_matmul(state: TrainState, size: int, dtype: str) -> float:
+    """Seconds of one size x size product on this rank's device (the primitive of portable_fsdp.hardware)."""
+    device = state.ctx.runtime.device
+    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    (a @ b).sum().item()
+    return time.perf_counter() - start
 
 
 def model_info(state: TrainState) -> ModelInfo:

@@ -17,6 +17,7 @@ import torch_xla.core.xla_model as xm
 
 from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp.backends.xla import full_state, runtime as rt, shard_files
+from portable_fsdp import checkpointing
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
@@ -163,11 +164,11 @@ def _load_sharded(state, directory: pathlib.Path) -> None:
 def _restore_rng(state, directory: pathlib.Path, manifest: dict) -> None:
     rank = state.ctx.runtime.rank
     rng_file = directory / "rng" / f"rank_{rank:05d}.pt"
-    same_layout = manifest.get("backend") == "xla" and manifest.get("world_size") == state.ctx.runtime.world_size
-    if rng_file.exists() and same_layout:
+    if rng_file.exists() and checkpointing.restores_rng(manifest, "xla", state.ctx.runtime.world_size):
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["cpu"])
         xm.set_rng_state(rng["xla"])
     else:  # another layout or backend: a fresh, still deterministic stream per process
-        torch.manual_seed(state.ctx.config.seed + manifest["step"] * 1000 + rank)
-        xm.set_rng_state(state.ctx.config.seed + manifest["step"] * 1000 + rank)
+        seed = checkpointing.resume_seed(state.ctx.config.seed, manifest["step"], rank)
+        torch.manual_seed(seed)
+        xm.set_rng_state(seed)

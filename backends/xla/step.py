@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import resource
 import time
 import warnings
 
@@ -27,6 +26,7 @@ from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params
 from portable_fsdp.backends.xla import runtime as rt, support
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
@@ -43,6 +43,7 @@ class Context:
     schedule: object
     hf_model: nn.Module  # the transformers model inside the wrappers: its config and save_pretrained
     named: tuple  # params.NamedParameter per parameter, in checkpoint names
+    baseline_mb: float = 0.0  # this process's resident set before the model existed (libraries, runtime)
 
     @property
     def autocast_dtype(self):
@@ -61,6 +62,7 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = rt.initialize(plan)
+    baseline_mb = host_memory.resident_mb()
     support.check_plan(plan, config, runtime.device_type, runtime.world_size)
     for name in support.ignored_torch_settings(plan):
         warnings.warn(f"{name} has no effect on --backend xla: the XLA compiler decides how ranks exchange "
@@ -84,7 +86,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     optimizer = optim.build_optimizer(named, config.train)
     optim.prime_state(optimizer)
     rt.sync()
-    ctx = Context(runtime, plan, config, info, schedule_for(config.train), model, named)
+    ctx = Context(runtime, plan, config, info, schedule_for(config.train), model, named, baseline_mb=baseline_mb)
     return TrainState(root, optimizer, 0, ctx)
 
 
@@ -169,15 +171,24 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     return {k: rt.gather_rows(ctx.runtime, v) for k, v in outputs.items()}
 
 
-def _state_bytes_per_device(state: TrainState) -> list:
-    """Bytes of parameters and optimizer state each device holds (what sharding is for)."""
+def _state_tensors(state: TrainState) -> list:
+    """Parameters and optimizer state (what sharding is for)."""
+    return [n.param for n in state.ctx.named] + [v for s in state.optimizer.state.values() for v in s.values()
+                                                 if torch.is_tensor(v) and v.device.type == "xla"]
+
+
+def _gradient_tensors(state: TrainState) -> list:
+    """Stand-ins for the gradients: one per trainable parameter shard, in its dtype, held from the backward to
+    the update (freed in between, so counted rather than read), as the torch backend counts them."""
+    return [n.param for n in state.ctx.named if n.param.requires_grad]
+
+
+def _bytes_per_device(state: TrainState, tensors: list, key: str) -> list:
+    """Bytes of `tensors` each device holds."""
     runtime = state.ctx.runtime
-    tensors = [n.param for n in state.ctx.named]
-    tensors += [v for s in state.optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.device.type == "xla"]
     if not runtime.spmd:
         mine = sum(t.numel() * t.element_size() for t in tensors)
-        return xm.mesh_reduce("portable_fsdp.state_bytes", [mine], lambda parts: sum(parts, []))
+        return xm.mesh_reduce(f"portable_fsdp.{key}", [mine], lambda parts: sum(parts, []))
     xm.wait_device_ops()  # shard layouts are read from the data, which the last update may still be writing
     per_device = [0] * runtime.world_size
     for tensor, shards in zip(tensors, torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)):
@@ -188,35 +199,21 @@ def _state_bytes_per_device(state: TrainState) -> list:
 
 
 def memory_report(state: TrainState) -> dict:
-    """Per device (the plan's ranks), in MiB. PJRT CPU and SPMD report no per-device memory: there the host
-    process's resident set is given for each device it drives."""
-    import psutil
-
+    """Per device (the plan's ranks), in MiB, the keys of MEMORY_KEYS. PJRT CPU and SPMD report no per-device
+    memory: mem_mb, peak_mem_mb, base_mem_mb (before the model existed) and shm_mb are the host process's,
+    given for each device it drives; state_mb and grad_mb are what each device holds."""
     runtime = state.ctx.runtime
-    current = psutil.Process().memory_info().rss / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    state_mb = [round(b / 2**20, 2) for b in _state_bytes_per_device(state)]
+    host = (host_memory.resident_mb(), host_memory.peak_resident_mb(), state.ctx.baseline_mb,
+            host_memory.shared_resident_mb())
+    state_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _state_tensors(state), "state_bytes")]
+    grad_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _gradient_tensors(state), "grad_bytes")]
     if runtime.spmd:
-        mem, peaks = [round(current, 1)] * len(state_mb), [round(peak, 1)] * len(state_mb)
+        rows = [host] * len(state_mb)
     else:
-        rows = xm.mesh_reduce("portable_fsdp.memory", [(current, peak)], lambda parts: sum(parts, []))
-        mem, peaks = [round(r[0], 1) for r in rows], [round(r[1], 1) for r in rows]
-    return {"mem_mb": mem, "peak_mem_mb": peaks, "state_mb": state_mb}
-
-
-def measured_peak_flops(runtime: rt.Runtime) -> float:
-    """The matmul rate one device reaches (fp32 on CPU, bf16 elsewhere): the denominator of MFU. Under SPMD the
-    operands are replicated, so every device runs the whole product at once."""
-    size, dtype = (1024, torch.float32) if runtime.device_type == "CPU" else (8192, torch.bfloat16)
-    a = torch.randn(size, size, dtype=dtype).to(runtime.device)
-    b = torch.randn(size, size, dtype=dtype).to(runtime.device)
-    best = math.inf
-    for attempt in range(6):
-        start = time.perf_counter()
-        (a @ b).sum().item()
-        if attempt:  # the first one compiles
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        rows = xm.mesh_reduce("portable_fsdp.memory", [host], lambda parts: sum(parts, []))
+    mem, peak, base, shared = ([round(r[i], 1) for r in rows] for i in range(4))
+    return {"mem_mb": mem, "peak_mem_mb": peak, "state_mb": state_mb, "grad_mb": grad_mb, "base_mem_mb": base,
+            "shm_mb": shared}
 
 
 def placement(state: TrainState) -> Placement:
@@ -234,8 +231,22 @@ def any_rank(state: TrainState, flag: bool) -> bool:
     return rt.host_sum(state.ctx.runtime, int(flag)) > 0
 
 
-def peak_flops(state: TrainState) -> float:
-    return state.ctx.config.train.peak_flops_per_device or measured_peak_flops(state.ctx.runtime)
+def device_kind(state: TrainState) -> str:
+    """The PJRT device kind ("TPU v5 lite"; "cpu" on PJRT CPU)."""
+    runtime = state.ctx.runtime
+    return "cpu" if runtime.device_type == "CPU" else xm.xla_device_kind()
+
+
+def time_matmul(state: TrainState, size: int, dtype: str) -> float:
+    """Seconds of one size x size product on one device. Under SPMD the operands are replicated, so every
+    device of the process runs its own copy at once, as portable_fsdp.hardware asks."""
+    runtime = state.ctx.runtime
+    a = torch.randn(size, size, dtype=getattr(torch, dtype)).to(runtime.device)
+    b = torch.randn(size, size, dtype=getattr(torch, dtype)).to(runtime.device)
+    xm.wait_device_ops()
+    start = time.perf_counter()
+    (a @ b).sum().item()
+    return time.perf_counter() - start
 
 
 def model_info(state: TrainState) -> ModelInfo:

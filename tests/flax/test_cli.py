@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import TEST_RECIPE, cli, read_metrics
-from tests.e2e.test_training_runs import TRAIN_KEYS
+from tests.e2e.test_training_runs import TRAIN_KEYS, assert_memory_report
 from tests.flax.conftest import make_config
 
 
@@ -39,6 +39,7 @@ def test_flax_command_trains_and_writes_a_checkpoint_transformers_loads(tmp_path
     assert [r["step"] for r in train] == [5, 10, 15, 20]
     assert all(TRAIN_KEYS <= set(r) for r in train)
     assert all(len(r["mem_mb"]) == 2 and len(r["state_mb"]) == 2 for r in train)  # one entry per device
+    assert_memory_report(records, entries=2)
     assert train[-1]["loss"] < train[0]["loss"]
     checkpoint = tmp_path / "checkpoints" / "step_00000020"
     assert {"model.safetensors", "config.json", "generation_config.json", "optimizer.pt"} <= {

@@ -6,7 +6,7 @@ import time
 
 from portable_fsdp import checkpointing, loop
 from portable_fsdp.config import apply_override, load_recipe
-from portable_fsdp.backend import ModelInfo
+from portable_fsdp.backend import MEMORY_KEYS, ModelInfo
 from portable_fsdp.validate import resolve_plan
 
 
@@ -33,14 +33,17 @@ class ScriptedBackend:
     def model_info(self, state):
         return ModelInfo((), (), 1000, 2, 64, 384)
 
-    def peak_flops(self, state):
-        return 1e9
+    def device_kind(self, state):
+        return "cpu"
+
+    def time_matmul(self, state, size, dtype):
+        return 2.0 * size**3 / 1e9  # a 1 GFLOP/s device
 
     def train_step(self, state, micro_batches):
         return State(state.step + 1, state.step + 1), {"loss": 1.0, "tokens": 10, "grad_norm": 0.5, "lr": 1e-3}
 
     def memory_report(self, state):
-        return {"mem_mb": [1.0], "peak_mem_mb": [1.0], "state_mb": [0.1]}
+        return {key: [1.0] for key in MEMORY_KEYS}
 
     def count_label_tokens(self, state, batch):
         return 1

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from tests.conftest import TEST_RECIPE, cli, read_metrics
+from tests.e2e.test_training_runs import TRAIN_KEYS, assert_memory_report
 from tests.xla.helpers import XLA_ENV
 
-TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_mb", "peak_mem_mb", "state_mb"}
 ENV = {k: v for k, v in XLA_ENV.items() if k != "PJRT_DEVICE"}  # the command must choose the CPU itself
 
 
@@ -24,6 +24,7 @@ def test_xla_command_trains_evaluates_and_saves_like_the_torch_backend(tmp_path)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20] and all(TRAIN_KEYS <= set(r) for r in train)
     assert all(len(r["state_mb"]) == 2 and len(r["mem_mb"]) == 2 for r in train)  # one entry per device
+    assert_memory_report(records, entries=2)
     assert [e["step"] for e in evals] == [10, 20] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     final = tmp_path / "run" / "checkpoints" / "step_00000020"
     assert (final / "model.safetensors").exists() and (final / "optimizer.pt").exists()
