@@ -13,25 +13,18 @@ import warnings
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.validate import check_backend, resolve_plan
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path):
-    """Every check that can be made without starting a worker."""
+def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None):
+    """Every check that can be made without starting a worker. `device`: the device type the run uses, when
+    it is not the backend's name (xla: the PJRT device; flax: the JAX platform)."""
     plan = resolve_plan(config, world_size)
-    if backend_name != "xla" and (plan.xla.xla or plan.xla.xla_fsdp_settings):
-        warnings.warn(f"plan.xla / plan.xla_fsdp_settings apply to --backend xla only; --backend {backend_name} "
-                      "ignores them", stacklevel=2)
-    if plan.mesh.cp_size > 1:
-        impl = plan.resolved_cp_impl("cuda" if backend_name == "cuda" else "cpu")
-        if impl == "torch" and config.data.document_masking:
-            raise UserError("data.document_masking", (
-                "torch's context_parallel supports causal attention only; use plan.cp_impl=portable, "
-                "which honours document boundaries exactly"))
+    check_backend(config, plan, backend_name, device or backend_name, world_size)
     backend = backends.load(backend_name)
     info = backend.describe_model(config)
     plan.wrap_classes(info.no_split_modules, info.class_names)
@@ -82,10 +75,10 @@ def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> int:
     launcher; the plan's world size is the device count. Host devices are set up before jax is imported."""
     if under_torchrun():
         raise UserError("--backend", "flax runs as one process driving every device; start it without torchrun")
-    preflight(config, "flax", nproc, workdir)
-    from portable_fsdp.backends.flax.devices import configure_host_devices
+    from portable_fsdp.backends.flax.devices import configure_host_devices, platform
 
     configure_host_devices(nproc)
+    preflight(config, "flax", nproc, workdir, device=platform())
     os.environ.update(RANK="0", WORLD_SIZE=str(nproc))
     worker.main(spec)
     return 0

@@ -3,51 +3,52 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
-from portable_fsdp import plan as plan_lib
-from portable_fsdp.config import xla_fsdp_settings
+from portable_fsdp import capabilities, plan as plan_lib
+from portable_fsdp.config import flat_fields
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import resolve_metrics
 from portable_fsdp.sequence_split import check_divisible
 
 
 def plan_from_config(config) -> plan_lib.ShardingPlan:
+    """The plan the config's `plan` section declares (every field as plan.py declares it), validated."""
     p = config.plan
     if p.xla_fsdp_grad_ckpt and config.train.gradient_checkpointing:  # name the field the user set
         raise UserError("plan.xla_fsdp_grad_ckpt", (
             "is on together with train.gradient_checkpointing; they recompute the same activations twice: keep "
             "plan.xla_fsdp_grad_ckpt and set train.gradient_checkpointing=false"))
-    plan = plan_lib.ShardingPlan(
-        mesh=plan_lib.MeshSpec(p.fsdp_size, p.cp_size, p.tp_size, p.ep_size, p.sp_size),
-        reshard_after_forward=p.reshard_after_forward,
-        cpu_offload=p.cpu_offload,
-        auto_wrap_policy=plan_lib.parse_enum(plan_lib.WrapPolicy, p.auto_wrap_policy, "plan.auto_wrap_policy"),
-        transformer_layer_cls_to_wrap=plan_lib.as_class_list(
-            p.transformer_layer_cls_to_wrap, "plan.transformer_layer_cls_to_wrap"),
-        min_num_params=p.min_num_params,
-        state_dict_type=plan_lib.parse_enum(plan_lib.StateDictType, p.state_dict_type, "plan.state_dict_type"),
-        cpu_ram_efficient_loading=p.cpu_ram_efficient_loading,
-        # HF's XLA spelling of the same request: honoured by every backend, not only xla.
-        activation_checkpointing=p.activation_checkpointing or p.xla_fsdp_grad_ckpt,
-        mixed_precision=plan_lib.MixedPrecision(p.param_dtype, p.reduce_dtype),
-        cp_rotate_method=p.cp_rotate_method,
-        cp_impl=p.cp_impl,
-        cp_load_balance=p.cp_load_balance,
-        cpu_collectives=p.cpu_collectives,
-        xla=plan_lib.XlaSettings(p.xla, xla_fsdp_settings(config), p.xla_fsdp_grad_ckpt, p.xla_fsdp_v2),
-    )
+    values = {field.name: field.from_config(p[field.name]) for field in plan_lib.plan_fields()}
+    # HF's XLA spelling of the same request: honoured by every backend, not only xla.
+    values["activation_checkpointing"] = p.activation_checkpointing or p.xla_fsdp_grad_ckpt
+    plan = plan_lib.build(plan_lib.ShardingPlan, values)
     plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)
     return plan
 
 
 def resolve_plan(config, world_size: int) -> plan_lib.ShardingPlan:
-    """The plan with its mesh sized for `world_size`, refusing what is not built."""
+    """The plan with its mesh sized for `world_size`, and every field checked that needs no backend."""
     plan = plan_from_config(config)
     plan = dataclasses.replace(plan, mesh=plan.mesh.resolve(world_size))
-    plan.check_buildable()
     check_train_fields(config, plan.mesh.data_parallel_size)
     check_divisible(config.data.seq_len, plan.mesh.cp_size)
     return plan
+
+
+def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str, nproc: int) -> None:
+    """What the chosen lowering does with this config (portable_fsdp/capabilities.py), checked once before any
+    worker starts: the first refused setting is a UserError naming it and the fix; each setting without
+    effect there is one warning. `device` is the device type the run uses (cpu, cuda, tpu, ...)."""
+    target = capabilities.target_for(backend, plan.xla.xla_fsdp_v2)
+    context = {**flat_fields(config), "device": device.lower(), "--nproc": nproc}
+    found = capabilities.verdicts(context, target)
+    for rule, verdict in found:
+        if isinstance(verdict, capabilities.Refused):
+            raise UserError(rule.field, capabilities.message(rule, verdict, context, target))
+    for rule, verdict in found:
+        warnings.warn(f"{rule.field} has no effect on --backend {backend}: "
+                      f"{capabilities.message(rule, verdict, context, target)}", stacklevel=2)
 
 
 def _positive(value, field: str, allow_zero: bool = False) -> None:

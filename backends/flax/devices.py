@@ -22,6 +22,11 @@ def configure_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"])
 
 
+def platform() -> str:
+    """The platform the run's devices will be on (the first JAX_PLATFORMS entry), without importing jax."""
+    return os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0].strip() or "cpu"
+
+
 def take(count: int) -> list:
     """The first `count` devices (a test process may hold more than one run uses)."""
     import jax

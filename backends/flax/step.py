@@ -8,7 +8,6 @@ weights are the torch backends' (the same seeded transformers model, converted).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +17,9 @@ from portable_fsdp.backends.flax import (architecture, convert, devices as devic
                                          optimizer as optimizer_lib, programs as programs_lib, resources,
                                          sharding)
 from portable_fsdp.data.loader import Batch
-from portable_fsdp.errors import UserError, require_finite
+from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
-from portable_fsdp.plan import ShardingPlan, StateDictType
+from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -52,37 +51,9 @@ class TrainState:
     ctx: Context
 
 
-def check_lowerable(plan: ShardingPlan, platform: str, config) -> None:
-    """Refuse the plan fields this lowering does not build yet, instead of ignoring them."""
-    if config.train.freeze:
-        raise UserError("train.freeze", "frozen parameters are not built in the flax backend yet; "
-                        "use --backend cpu, cuda or xla, or leave train.freeze empty")
-    if plan.state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        raise UserError("plan.state_dict_type", (
-            "SHARDED_STATE_DICT is not built in the flax backend yet; use FULL_STATE_DICT (a directory "
-            "every backend and from_pretrained load)"))
-    if plan.cpu_offload and platform != "cpu":
-        raise UserError("plan.cpu_offload", f"is not built in the flax backend on {platform}; set it to false")
-    # On CPU devices everything already lives in host memory: cpu_offload holds by construction.
-    # These have no JAX knob (XLA schedules the gathers and the K/V movement): say so, don't ignore silently.
-    no_effect = [name for name, value, default in (
-        ("plan.reshard_after_forward", plan.reshard_after_forward, True),
-        ("plan.auto_wrap_policy", plan.auto_wrap_policy.value, "TRANSFORMER_BASED_WRAP"),
-        ("plan.cp_rotate_method", plan.cp_rotate_method, "allgather"),
-        ("plan.cp_impl", plan.cp_impl, "auto"),
-        ("plan.cp_load_balance", plan.cp_load_balance, True),
-        ("plan.reduce_dtype", plan.mixed_precision.reduce_dtype, "float32"),
-        ("plan.cpu_ram_efficient_loading", plan.cpu_ram_efficient_loading, False),
-        ("plan.cpu_collectives", plan.cpu_collectives, "auto")) if value != default]
-    if no_effect:
-        warnings.warn(f"{', '.join(no_effect)}: no effect on --backend flax (XLA decides how the sharded "
-                      "computation is scheduled)", stacklevel=2)
-
-
 def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
     devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
     baseline_mb = tuple(resources.memory_now_mb(device) for device in devices)
-    check_lowerable(plan, devices[0].platform, config)
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
     mesh = sharding.build_mesh(plan.mesh, devices)

@@ -11,19 +11,20 @@ import os
 import pathlib
 
 from portable_fsdp import worker
-from portable_fsdp.backends.xla import environment, fsdp_settings, support
+from portable_fsdp.backends.xla import environment, fsdp_settings
 
 
 def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> int:
-    """`preflight(config, backend_name, world_size, workdir) -> plan`: the launcher's shared checks.
-    Returns the exit status."""
+    """`preflight(config, backend_name, world_size, workdir, device) -> plan`: the launcher's shared checks
+    (the capability table included). Returns the exit status."""
     environment.configure(nproc)
     device = environment.device_type()
     v2 = config.plan.xla_fsdp_v2
-    support.check_launch(v2, device, nproc)
-    world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
-    plan = preflight(config, "xla", world, workdir)
-    support.check_plan(plan, config, device, nproc)
+    if not v2 and (device not in ("CPU", "TPU") or (device == "CPU" and nproc > 1)):
+        world = nproc  # refused by the capability table below, before torch_xla counts devices
+    else:
+        world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
+    plan = preflight(config, "xla", world, workdir, device=device)
     signature = fsdp_settings.v1_signature()
     if v2:
         fsdp_settings.check_spmd(plan.xla.xla_fsdp_settings, signature)

@@ -18,7 +18,6 @@ from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transfo
 import torch_xla.distributed.spmd as xs
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-from portable_fsdp.backends.xla import support
 from portable_fsdp.backends.xla.runtime import Runtime, sequence_axis
 from portable_fsdp.plan import ShardingPlan, WrapPolicy
 
@@ -26,7 +25,7 @@ from portable_fsdp.plan import ShardingPlan, WrapPolicy
 def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, layer_classes: tuple,
                 v1_kwargs: dict) -> nn.Module:
     """Returns the root wrapper; `model` is modified in place (its layers become wrapped units)."""
-    if support.activation_checkpointing(plan):
+    if plan.activation_checkpointing:  # the plan folds HF's xla_fsdp_grad_ckpt into it
         apply_gradient_checkpointing(model, layer_classes)
     policy = wrap_policy(model, plan, layer_classes)
     if runtime.spmd:

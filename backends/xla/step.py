@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import math
 import time
-import warnings
 
 import torch
 import torch_xla
@@ -23,7 +22,7 @@ from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_los
 from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params as params_lib
-from portable_fsdp.backends.xla import runtime as rt, support
+from portable_fsdp.backends.xla import runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
 from portable_fsdp import host_memory
@@ -63,10 +62,6 @@ class TrainState:
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = rt.initialize(plan)
     baseline_mb = host_memory.resident_mb()
-    support.check_plan(plan, config, runtime.device_type, runtime.world_size)
-    for name in support.ignored_torch_settings(plan):
-        warnings.warn(f"{name} has no effect on --backend xla: the XLA compiler decides how ranks exchange "
-                      "data", stacklevel=2)
     signature = fsdp_settings.v1_signature()
     settings = plan.xla.xla_fsdp_settings
     if runtime.spmd:

@@ -60,26 +60,3 @@ def test_a_step_all_gathers_twice_and_reduce_scatters_once_the_parameters(tmp_pa
     assert sent["all_gather"] == pytest.approx(expected_gathers, rel=1e-3)
     assert sent["reduce_scatter"] == pytest.approx(half, rel=1e-3)
     assert sent["all_reduce"] < 100  # only the step's scalars: tokens, loss, gradient norm
-
-
-def test_cpu_collectives_on_a_gpu_mesh_are_named_as_without_effect(tmp_path):
-    """On CUDA, FSDP uses NCCL whatever plan.cpu_collectives says: a setting there is warned about, not
-    silently ignored. (A 1-rank gloo mesh stands in for the GPU's: only the device type is read.)"""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from portable_fsdp.backends.torch.parallelize import apply_fsdp
-    from portable_fsdp.config import apply_override, load_recipe
-    from portable_fsdp.validate import resolve_plan
-    from tests.conftest import TEST_RECIPE
-
-    config = load_recipe(TEST_RECIPE)
-    apply_override(config, "plan.cpu_collectives", "gloo")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        with pytest.warns(UserWarning, match="plan.cpu_collectives has no effect on cuda"):
-            apply_fsdp(model, resolve_plan(config, 1), init_device_mesh("cpu", (1,)), ("Linear",), "cuda")
-    finally:
-        dist.destroy_process_group()

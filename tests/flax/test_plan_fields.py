@@ -1,4 +1,4 @@
-"""What the plan's fields become in JAX, and what the flax lowering refuses until it is built."""
+"""What the plan's fields become in JAX (what the flax lowering refuses or ignores: tests/unit/test_capabilities.py)."""
 import re
 
 import numpy as np
@@ -28,13 +28,6 @@ def test_mixed_precision_keeps_float32_masters():
     assert {a.dtype.name for a in state.params.values()} == {"float32"}  # bf16 is the compute dtype only
 
 
-@needs_devices(2)
-def test_sharded_checkpoints_are_refused_by_name():
-    with pytest.raises(UserError) as caught:
-        init_state(make_config({"plan.state_dict_type": "SHARDED_STATE_DICT"}), 2)
-    assert caught.value.field == "plan.state_dict_type"
-
-
 def test_the_flax_backend_offers_the_whole_backend_surface():
     import portable_fsdp.backends.flax as flax_backend
     import portable_fsdp.backends.torch as torch_backend
@@ -55,12 +48,3 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_untouched():
     assert not bool(out["finite"])
     after = jax.tree.map(np.asarray, (params, opt_state))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-
-
-def test_torch_only_fields_are_named_as_without_effect():
-    from portable_fsdp.backends.flax.step import check_lowerable
-    from portable_fsdp.validate import resolve_plan
-
-    config = make_config({"plan.cpu_collectives": "gloo"})
-    with pytest.warns(UserWarning, match="plan.cpu_collectives: no effect on --backend flax"):
-        check_lowerable(resolve_plan(config, 2), "cpu", config)

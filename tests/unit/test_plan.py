@@ -2,12 +2,13 @@
 import dataclasses
 import math
 
+import ml_collections
 import pytest
 
 from portable_fsdp import plan as plan_lib
 from portable_fsdp import validate
-from portable_fsdp.config import base_config
-from portable_fsdp.plan import MeshSpec, MixedPrecision, ShardingPlan, StateDictType, WrapPolicy
+from portable_fsdp.config import apply_override, base_config
+from portable_fsdp.plan import MeshSpec, MixedPrecision, ShardingPlan, StateDictType, WrapPolicy, plan_fields
 from tests.unit._helpers import user_error
 
 
@@ -70,10 +71,8 @@ def test_data_parallel_size_counts_fsdp_and_ep_only():
 
 # ---------------------------------------------------------------- ShardingPlan.validate
 
-def test_default_plan_is_valid_and_buildable():
-    plan = ShardingPlan()
-    plan.validate()
-    plan.check_buildable()
+def test_default_plan_is_valid():
+    ShardingPlan().validate()
 
 
 def test_validate_cp_and_sp_are_alternatives():
@@ -126,21 +125,6 @@ def test_validate_bad_dtypes(param, reduce, field, bad):
 ])
 def test_mixed_precision_enabled(dtypes, enabled):
     assert MixedPrecision(*dtypes).enabled is enabled
-
-
-# ---------------------------------------------------------------- check_buildable
-
-@pytest.mark.parametrize("field", ["tp_size", "ep_size", "sp_size"])
-def test_check_buildable_refuses_unbuilt_axes(field):
-    plan = ShardingPlan(mesh=MeshSpec(fsdp_size=1, **{field: 2}))
-    with user_error(f"plan.{field}", "not built yet") as info:
-        plan.check_buildable()
-    assert f"set plan.{field}=1" in info.value.message
-    assert info.value.message.startswith("2 needs")
-
-
-def test_check_buildable_allows_any_fsdp_size():
-    ShardingPlan(mesh=MeshSpec(fsdp_size=64)).check_buildable()
 
 
 # ---------------------------------------------------------------- wrap_classes
@@ -226,14 +210,14 @@ def test_resolve_plan_on_base_config(config):
 
 
 def test_plan_from_config_maps_fields(config):
-    config.plan.transformer_layer_cls_to_wrap = "LlamaDecoderLayer, LlamaMLP"
+    config.plan.transformer_layer_cls_to_wrap = ["LlamaDecoderLayer", "LlamaMLP"]
     config.plan.auto_wrap_policy = "size_based_wrap"
     config.plan.min_num_params = 10
     config.plan.state_dict_type = "sharded_state_dict"
     config.plan.param_dtype = "bfloat16"
     config.plan.reshard_after_forward = False
     config.plan.cpu_offload = True
-    config.plan.xla_fsdp_settings = '{"compute_dtype": "bfloat16"}'
+    config.plan.xla_fsdp_settings = {"compute_dtype": "bfloat16"}
     plan = validate.plan_from_config(config)
     assert plan.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer", "LlamaMLP")
     assert plan.auto_wrap_policy is WrapPolicy.SIZE_BASED_WRAP and plan.min_num_params == 10
@@ -249,13 +233,41 @@ def test_resolve_plan_unknown_wrap_policy(config):
         validate.resolve_plan(config, 1)
 
 
+def test_lists_and_mappings_keep_their_command_line_spellings(config):
+    """Lists are lists and mappings are mappings in the config; the command line still writes them as
+    `A,B` and as JSON."""
+    apply_override(config, "plan.transformer_layer_cls_to_wrap", "LlamaDecoderLayer, LlamaMLP")
+    apply_override(config, "plan.xla_fsdp_settings", '{"compute_dtype": "bfloat16", "shard_param_on_dim_0": true}')
+    apply_override(config, "train.freeze", "embed_tokens,norm")
+    assert config.plan.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer", "LlamaMLP"]
+    assert config.train.freeze == ["embed_tokens", "norm"]
+    plan = validate.plan_from_config(config)
+    assert plan.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer", "LlamaMLP")
+    assert plan.xla.xla_fsdp_settings == {"compute_dtype": "bfloat16", "shard_param_on_dim_0": True}
+    apply_override(config, "plan.transformer_layer_cls_to_wrap", "")
+    assert validate.plan_from_config(config).transformer_layer_cls_to_wrap == ()
+
+
+def test_the_config_survives_the_trip_to_a_worker(config):
+    """Workers rebuild the config from `to_dict()`: the plan they resolve is the launcher's."""
+    apply_override(config, "plan.transformer_layer_cls_to_wrap", "LlamaDecoderLayer")
+    apply_override(config, "plan.xla_fsdp_settings", '{"compute_dtype": "bfloat16"}')
+    rebuilt = ml_collections.ConfigDict(config.to_dict())
+    assert validate.plan_from_config(rebuilt) == validate.plan_from_config(config)
+
+
 def test_resolve_plan_bad_xla_settings(config):
-    config.plan.xla_fsdp_settings = "{nope"
-    with user_error("plan.xla_fsdp_settings", "is not a JSON object"):
-        validate.resolve_plan(config, 1)
-    config.plan.xla_fsdp_settings = "[1]"
-    with user_error("plan.xla_fsdp_settings", "must be a JSON object"):
-        validate.resolve_plan(config, 1)
+    with user_error("config.plan.xla_fsdp_settings", "is not a JSON object"):
+        apply_override(config, "plan.xla_fsdp_settings", "{nope")
+    with user_error("config.plan.xla_fsdp_settings", "must be a JSON object"):
+        apply_override(config, "plan.xla_fsdp_settings", "[1]")
+
+
+def test_every_declared_field_is_in_the_schema_with_its_default(config):
+    declared = plan_fields()
+    assert sorted(f.name for f in declared) == sorted(config.plan.keys())
+    for field in declared:
+        assert field.from_config(config.plan[field.name]) == field.value_in(ShardingPlan()), field.name
 
 
 def test_resolve_plan_runs_plan_validate(config):
@@ -263,12 +275,6 @@ def test_resolve_plan_runs_plan_validate(config):
     config.train.gradient_checkpointing = True
     with user_error("plan.activation_checkpointing", "is on together with train.gradient_checkpointing"):
         validate.resolve_plan(config, 1)
-
-
-def test_resolve_plan_refuses_unbuilt_axis(config):
-    config.plan.tp_size = 2
-    with user_error("plan.tp_size", "not built yet"):
-        validate.resolve_plan(config, 2)
 
 
 def test_resolve_plan_accepts_context_parallelism(config):

@@ -1,0 +1,281 @@
+"""What each backend does with each plan field and value — honoured, refused (with the fix), or without effect
+on that backend — as data. Imports no framework.
+
+`validate.check_backend` reads this table once, before any worker starts: a refused setting is one `error:`
+line naming the field and the fix, a setting without effect is one warning. A setting no rule matches is
+honoured. `python -m portable_fsdp.capabilities` prints the table as the markdown of docs/capabilities.md
+(a test keeps the two equal).
+
+Targets are the lowerings as the user meets them: `cpu` and `cuda` (torch FSDP2 over gloo / NCCL), `xla`
+(torch_xla SPMD FSDPv2, the default) and `xla_v1` (torch_xla FSDP v1, `plan.xla_fsdp_v2=false`), and `flax`.
+A rule's condition reads the config's fields by their dotted names, plus `device` (the device type the run
+will use: cpu, cuda, tpu, ...) and `--nproc` (the processes or devices asked for).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+TARGETS = ("cpu", "cuda", "xla", "xla_v1", "flax")
+TARGET_NAMES = {"cpu": "cpu (FSDP2, gloo)", "cuda": "cuda (FSDP2, NCCL)", "xla": "xla (SPMD FSDPv2)",
+                "xla_v1": "xla (FSDP v1)", "flax": "flax (JAX)"}
+TORCH = ("cpu", "cuda")
+XLA = ("xla", "xla_v1")
+NOT_CUDA = ("cpu", "xla", "xla_v1")
+
+
+# ------------------------------------------------------------------ conditions (data: field -> test of its value)
+@dataclasses.dataclass(frozen=True)
+class Is:
+    value: object
+
+    def holds(self, value, context) -> bool:
+        return value == self.value
+
+    def describe(self) -> str:
+        return f"= {_show(self.value)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class IsNot:
+    value: object
+
+    def holds(self, value, context) -> bool:
+        return value != self.value
+
+    def describe(self) -> str:
+        return f"≠ {_show(self.value)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    values: tuple
+
+    def holds(self, value, context) -> bool:
+        return value in self.values
+
+    def describe(self) -> str:
+        return "∈ {" + ", ".join(map(_show, self.values)) + "}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoneOf:
+    values: tuple
+
+    def holds(self, value, context) -> bool:
+        return value not in self.values
+
+    def describe(self) -> str:
+        return "∉ {" + ", ".join(map(_show, self.values)) + "}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Above:
+    bound: int
+
+    def holds(self, value, context) -> bool:
+        return value > self.bound
+
+    def describe(self) -> str:
+        return f"> {self.bound}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NeitherOf:
+    """The value is neither `literal` nor the value of the field `other`."""
+
+    literal: object
+    other: str
+
+    def holds(self, value, context) -> bool:
+        return value not in (self.literal, context[self.other])
+
+    def describe(self) -> str:
+        return f"∉ {{{_show(self.literal)}, {self.other}}}"
+
+
+SET = IsNot([])  # a non-empty list field
+ON = Is(True)
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ------------------------------------------------------------------ verdicts
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    fix: str  # what is wrong and what to write instead; `{value}`, `{device}`, `{target}` and `{a.field}` filled in
+
+
+@dataclasses.dataclass(frozen=True)
+class NoEffect:
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    field: str  # the field the message names
+    when: tuple  # ((field, condition), ...): all must hold
+    verdicts: Mapping  # target -> Refused | NoEffect; targets not named honour the setting
+
+
+def _refused_everywhere(fix: str) -> dict:
+    return dict.fromkeys(TARGETS, Refused(fix))
+
+
+XLA_DECIDES = NoEffect("the XLA compiler decides how devices exchange data")
+XLA_SCHEDULES = NoEffect("XLA decides how the sharded computation is scheduled")
+
+RULES = (
+    # ---- mesh axes no lowering has
+    Rule("plan.tp_size", (("plan.tp_size", Above(1)),), _refused_everywhere(
+        "tensor parallelism (tp_size={value}) is not available on --backend {target}; set plan.tp_size=1 and "
+        "shard over plan.fsdp_size (with plan.cp_size for long sequences)")),
+    Rule("plan.ep_size", (("plan.ep_size", Above(1)),), _refused_everywhere(
+        "expert parallelism (ep_size={value}) is not available on --backend {target}; set plan.ep_size=1 "
+        "(experts are then sharded over plan.fsdp_size like every other weight)")),
+    Rule("plan.sp_size", (("plan.sp_size", Above(1)),), _refused_everywhere(
+        "Ulysses sequence parallelism (sp_size={value}) is not available on --backend {target}; set "
+        "plan.sp_size=1 and use context parallelism (plan.cp_size) to split long sequences")),
+    # ---- context parallelism
+    Rule("plan.cp_size", (("plan.cp_size", Above(1)),), {"xla_v1": Refused(
+        "= {value}: FSDP v1 (XlaFullyShardedDataParallel) cannot split sequences; use SPMD FSDPv2 "
+        "(plan.xla_fsdp_v2=true), which shards them over the mesh's cp axis, or set plan.cp_size=1")}),
+    Rule("plan.cp_impl", (("plan.cp_size", Above(1)), ("plan.cp_impl", Is("torch"))), {
+        "cpu": Refused("torch's context_parallel needs CUDA SDPA kernels and cannot run on {device}; "
+                       "use plan.cp_impl=portable (or auto)"),
+        "xla": Refused("torch's context_parallel needs CUDA SDPA kernels; on --backend xla sequences "
+                       "are split by SPMD sharding: use plan.cp_impl=auto"),
+        "flax": XLA_SCHEDULES}),
+    Rule("plan.cp_impl", (("plan.cp_size", Above(1)), ("plan.cp_impl", Is("portable"))), {
+        "xla": XLA_DECIDES, "flax": XLA_SCHEDULES}),
+    Rule("plan.cp_load_balance", (("plan.cp_size", Above(1)), ("plan.cp_impl", OneOf(("auto", "torch"))),
+                                  ("plan.cp_load_balance", Is(False))), {
+        "cuda": Refused("= false is not supported by torch's context_parallel (plan.cp_impl=auto takes it on "
+                        "CUDA; it always splits head-tail): set plan.cp_impl=portable or keep "
+                        "plan.cp_load_balance=true")}),
+    Rule("plan.cp_load_balance", (("plan.cp_size", Above(1)), ("plan.cp_load_balance", Is(False))), {
+        "xla": XLA_DECIDES, "flax": XLA_SCHEDULES}),
+    Rule("plan.cp_rotate_method", (("plan.cp_size", Above(1)), ("plan.cp_rotate_method", IsNot("allgather"))), {
+        "xla": XLA_DECIDES, "flax": XLA_SCHEDULES}),
+    Rule("data.document_masking", (("plan.cp_size", Above(1)), ("plan.cp_impl", OneOf(("auto", "torch"))),
+                                   ("data.document_masking", ON)), {
+        "cuda": Refused("= true: torch's context_parallel (plan.cp_impl=auto takes it on CUDA) supports causal "
+                        "attention only; use plan.cp_impl=portable, which honours document boundaries exactly")}),
+    # ---- where the weights live and how they are gathered
+    Rule("plan.cpu_offload", (("plan.cpu_offload", ON),), {
+        **dict.fromkeys(XLA, Refused(
+            "torch_xla's FSDP (SPMD FSDPv2 and XlaFullyShardedDataParallel) cannot keep parameters or optimizer "
+            "state in host memory; set plan.cpu_offload=false (or use --backend cpu / cuda for CPU offload)"))}),
+    Rule("plan.cpu_offload", (("plan.cpu_offload", ON), ("device", IsNot("cpu"))), {
+        "flax": Refused("is not available on --backend flax with {device} devices; set it to false")}),
+    Rule("plan.reshard_after_forward", (("plan.reshard_after_forward", Is(False)),), {
+        "xla": Refused("= false has no SPMD FSDPv2 equivalent: there the XLA compiler decides when gathered "
+                       "parameters are freed; set it to true, or use FSDP v1 (plan.xla_fsdp_v2=false), which keeps "
+                       "them gathered"),
+        "flax": XLA_SCHEDULES}),
+    Rule("plan.auto_wrap_policy", (("plan.auto_wrap_policy", IsNot("TRANSFORMER_BASED_WRAP")),), {
+        "flax": XLA_SCHEDULES}),
+    Rule("plan.cpu_ram_efficient_loading", (("plan.cpu_ram_efficient_loading", ON),), {
+        "xla_v1": Refused("has no FSDP v1 equivalent in torch_xla: every process builds the whole model; set it "
+                          "to false, or use SPMD FSDPv2 (plan.xla_fsdp_v2=true), where one process per host "
+                          "builds it once"),
+        "flax": NoEffect("one process builds the model and places its shards")}),
+    Rule("plan.state_dict_type", (("plan.state_dict_type", Is("SHARDED_STATE_DICT")),), {
+        "flax": Refused("SHARDED_STATE_DICT is not available on --backend flax; use FULL_STATE_DICT (a directory "
+                        "every backend and from_pretrained load)")}),
+    # ---- mixed precision
+    Rule("plan.param_dtype", (("plan.param_dtype", Is("float16")),), {
+        "xla": Refused("float16 has no SPMD FSDPv2 equivalent: torch_xla's autocast computes in bfloat16; use "
+                       "bfloat16")}),
+    Rule("plan.reduce_dtype", (("plan.reduce_dtype", IsNot("float32")),), {
+        "xla": Refused("{value} has no SPMD FSDPv2 equivalent: the XLA compiler places the gradient reductions "
+                       "itself; set plan.reduce_dtype=float32, or use FSDP v1 (plan.xla_fsdp_v2=false)"),
+        "flax": NoEffect("gradients are reduced inside the compiled step, in float32")}),
+    Rule("plan.reduce_dtype", (("plan.reduce_dtype", NeitherOf("float32", "plan.param_dtype")),), {
+        "xla_v1": Refused("{value} with plan.param_dtype={plan.param_dtype}: XlaFullyShardedDataParallel reduces "
+                          "gradients in the compute dtype or in float32 (fp32_reduce_scatter); set "
+                          "plan.reduce_dtype=float32 or plan.reduce_dtype={plan.param_dtype}")}),
+    Rule("plan.param_dtype", (("plan.param_dtype", Is("bfloat16")), ("model.attn_implementation", Is("sdpa"))), {
+        "xla": Refused("bfloat16 under SPMD FSDPv2 is torch_xla's autocast, which does not cover "
+                       "scaled_dot_product_attention (it would get mixed float32/bfloat16 inputs); set "
+                       "model.attn_implementation=eager, or use FSDP v1 (plan.xla_fsdp_v2=false), which casts the "
+                       "parameters")}),
+    # ---- backend-specific knobs on the other backends
+    Rule("plan.cpu_collectives", (("plan.cpu_collectives", IsNot("auto")),), {
+        "cuda": NoEffect("FSDP uses its device's collectives (NCCL)"),
+        **dict.fromkeys(XLA, XLA_DECIDES), "flax": XLA_SCHEDULES}),
+    Rule("plan.xla", (("plan.xla", ON),), {
+        **dict.fromkeys(TORCH, NoEffect("it selects torch_xla, which is --backend xla")),
+        "flax": NoEffect("it selects torch_xla, which is --backend xla")}),
+    Rule("plan.xla_fsdp_settings", (("plan.xla_fsdp_settings", IsNot({})),), {
+        **dict.fromkeys(TORCH, NoEffect("they are torch_xla's settings, read by --backend xla only")),
+        "flax": NoEffect("they are torch_xla's settings, read by --backend xla only")}),
+    Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)),), {
+        **dict.fromkeys(TORCH, NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")),
+        "flax": NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")}),
+    # ---- where and how many (FSDP v1 runs one process per device)
+    Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)), ("device", NoneOf(("cpu", "tpu")))), {
+        "xla_v1": Refused("= false (FSDP v1) is launched on CPU and TPU only, not on PJRT device {device}; use "
+                          "SPMD FSDPv2 (plan.xla_fsdp_v2=true)")}),
+    Rule("--nproc", (("device", Is("cpu")), ("--nproc", Above(1))), {
+        "xla_v1": Refused("{value}: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device, and "
+                          "multi-process PJRT CPU collectives abort in torch_xla 2.9; use --nproc 1 on the CPU, or "
+                          "SPMD FSDPv2 (plan.xla_fsdp_v2=true) for several CPU devices")}),
+    # ---- training fields a lowering does not have
+    Rule("train.freeze", (("train.freeze", SET),), {
+        "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "
+                        "or leave train.freeze empty")}),
+)
+
+
+def target_for(backend: str, xla_fsdp_v2: bool = True) -> str:
+    """The capability column a run uses: `xla` splits into SPMD FSDPv2 and FSDP v1."""
+    return "xla_v1" if backend == "xla" and not xla_fsdp_v2 else backend
+
+
+def verdicts(context: Mapping, target: str) -> list:
+    """[(rule, verdict)] of every rule whose condition holds in `context` and that names `target`."""
+    found = []
+    for rule in RULES:
+        verdict = rule.verdicts.get(target)
+        if verdict is not None and all(cond.holds(context[name], context) for name, cond in rule.when):
+            found.append((rule, verdict))
+    return found
+
+
+def message(rule: Rule, verdict, context: Mapping, target: str) -> str:
+    """The verdict's text with `{value}` (the rule's field), `{target}`, `{device}` and `{a.dotted.field}`
+    filled in."""
+    text = verdict.fix if isinstance(verdict, Refused) else verdict.why
+    fill = {**context, "value": context[rule.field], "target": target.replace("_v1", "")}
+    return re.sub(r"\{([\w.\-]+)\}", lambda match: _show(fill[match.group(1)]), text)
+
+
+def markdown() -> str:
+    """The table as docs/capabilities.md shows it: one row per rule, one column per target."""
+    lines = ["# What each backend does with each setting", "",
+             "Generated from `portable_fsdp/capabilities.py` (`python -m portable_fsdp.capabilities`); a setting "
+             "that no row names is honoured on every backend. **refused** stops the run at start-up with one "
+             "`error:` line naming the field and the fix; *no effect* runs with one warning.", "",
+             "| setting | when | " + " | ".join(TARGET_NAMES[t] for t in TARGETS) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in TARGETS) + " |"]
+    for rule in RULES:
+        when = ", ".join(f"`{name}` {cond.describe()}" for name, cond in rule.when)
+        cells = []
+        for target in TARGETS:
+            verdict = rule.verdicts.get(target)
+            if verdict is None:
+                cells.append("honoured")
+            elif isinstance(verdict, Refused):
+                cells.append("**refused**")
+            else:
+                cells.append(f"*no effect*: {verdict.why}")
+        lines.append(f"| `{rule.field}` | {when} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

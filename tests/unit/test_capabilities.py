@@ -1,0 +1,117 @@
+"""The capability table: what each backend does with each setting, checked once at start-up
+(portable_fsdp/capabilities.py, validate.check_backend). Every refusal and every "no effect" warning it can
+give is exercised here, without starting a framework."""
+import re
+import warnings
+
+import pytest
+
+from portable_fsdp import capabilities
+from portable_fsdp.config import apply_override, base_config, load_recipe
+from portable_fsdp.validate import check_backend, resolve_plan
+from tests.conftest import ROOT, TEST_RECIPE
+from tests.unit._helpers import user_error
+
+
+def check(backend, overrides=(), device=None, nproc=2):
+    """check_backend on the test recipe with `overrides`; returns the warnings' messages."""
+    config = load_recipe(TEST_RECIPE)
+    for key, value in dict(overrides).items():
+        apply_override(config, key, value)
+    plan = resolve_plan(config, nproc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_backend(config, plan, backend, device or backend, nproc)
+    return [str(w.message) for w in caught]
+
+
+# (backend, overrides, device, nproc, field named, a phrase of the fix)
+REFUSED = [
+    ("cpu", {"plan.tp_size": "2"}, None, 2, "plan.tp_size", "tensor parallelism (tp_size=2) is not available on --backend cpu; set plan.tp_size=1"),
+    ("xla", {"plan.ep_size": "2"}, "CPU", 2, "plan.ep_size", "expert parallelism (ep_size=2) is not available on --backend xla"),
+    ("flax", {"plan.sp_size": "2"}, "cpu", 2, "plan.sp_size", "set plan.sp_size=1"),
+    ("cpu", {"plan.cp_size": "2", "plan.cp_impl": "torch"}, None, 2, "plan.cp_impl", "cannot run on cpu; use plan.cp_impl=portable"),
+    ("xla", {"plan.cp_size": "2", "plan.cp_impl": "torch"}, "CPU", 2, "plan.cp_impl", "use plan.cp_impl=auto"),
+    ("xla", {"plan.cp_size": "2", "plan.xla_fsdp_v2": "false"}, "TPU", 2, "plan.cp_size", "cannot split sequences"),
+    ("cuda", {"plan.cp_size": "2", "plan.cp_load_balance": "false"}, None, 2, "plan.cp_load_balance", "set plan.cp_impl=portable"),
+    ("cuda", {"plan.cp_size": "2", "data.document_masking": "true"}, None, 2, "data.document_masking", "use plan.cp_impl=portable"),
+    ("xla", {"plan.cpu_offload": "true"}, "CPU", 2, "plan.cpu_offload", "set plan.cpu_offload=false"),
+    ("flax", {"plan.cpu_offload": "true"}, "tpu", 2, "plan.cpu_offload", "with tpu devices; set it to false"),
+    ("xla", {"plan.reshard_after_forward": "false"}, "CPU", 2, "plan.reshard_after_forward", "plan.xla_fsdp_v2=false"),
+    ("xla", {"plan.cpu_ram_efficient_loading": "true", "plan.xla_fsdp_v2": "false"}, "TPU", 4, "plan.cpu_ram_efficient_loading", "plan.xla_fsdp_v2=true"),
+    ("flax", {"plan.state_dict_type": "SHARDED_STATE_DICT"}, "cpu", 2, "plan.state_dict_type", "use FULL_STATE_DICT"),
+    ("xla", {"plan.param_dtype": "float16"}, "CPU", 2, "plan.param_dtype", "use bfloat16"),
+    ("xla", {"plan.param_dtype": "bfloat16"}, "CPU", 2, "plan.param_dtype", "model.attn_implementation=eager"),
+    ("xla", {"plan.param_dtype": "bfloat16", "plan.reduce_dtype": "bfloat16"}, "CPU", 2, "plan.reduce_dtype", "set plan.reduce_dtype=float32"),
+    ("xla", {"plan.param_dtype": "bfloat16", "plan.reduce_dtype": "float16", "plan.xla_fsdp_v2": "false"}, "TPU", 4,
+     "plan.reduce_dtype", "float16 with plan.param_dtype=bfloat16: XlaFullyShardedDataParallel reduces gradients in the "
+     "compute dtype or in float32 (fp32_reduce_scatter); set plan.reduce_dtype=float32 or plan.reduce_dtype=bfloat16"),
+    ("xla", {"plan.xla_fsdp_v2": "false"}, "CUDA", 1, "plan.xla_fsdp_v2", "launched on CPU and TPU only, not on PJRT device cuda"),
+    ("xla", {"plan.xla_fsdp_v2": "false"}, "CPU", 2, "--nproc", "2: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device"),
+    ("flax", {"train.freeze": "embed_tokens"}, "cpu", 2, "train.freeze", "leave train.freeze empty"),
+]
+
+
+@pytest.mark.parametrize("backend, overrides, device, nproc, field, fix", REFUSED,
+                         ids=[f"{c[0]}-{c[4]}" for c in REFUSED])
+def test_refused_settings_name_the_field_and_the_fix(backend, overrides, device, nproc, field, fix):
+    with user_error(field, fix):
+        check(backend, overrides, device, nproc)
+
+
+# (backend, overrides, device, the fields warned about)
+WITHOUT_EFFECT = [
+    ("cuda", {"plan.cpu_collectives": "gloo"}, None, ["plan.cpu_collectives"]),
+    ("xla", {"plan.cpu_collectives": "gloo"}, "CPU", ["plan.cpu_collectives"]),
+    ("xla", {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": "false"}, "CPU",
+     ["plan.cp_load_balance", "plan.cp_rotate_method"]),
+    ("flax", {"plan.reshard_after_forward": "false", "plan.auto_wrap_policy": "NO_WRAP",
+              "plan.cpu_ram_efficient_loading": "true", "plan.reduce_dtype": "bfloat16",
+              "plan.cpu_collectives": "gloo"}, "cpu",
+     ["plan.reshard_after_forward", "plan.auto_wrap_policy", "plan.cpu_ram_efficient_loading", "plan.reduce_dtype",
+      "plan.cpu_collectives"]),
+    ("cpu", {"plan.xla": "true", "plan.xla_fsdp_settings": '{"compute_dtype": "bfloat16"}', "plan.xla_fsdp_v2": "false"},
+     None, ["plan.xla", "plan.xla_fsdp_settings", "plan.xla_fsdp_v2"]),
+    ("flax", {"plan.cpu_offload": "true"}, "cpu", []),  # host memory already: honoured by construction
+    ("cpu", {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": "false"}, None, []),
+    ("cpu", {"plan.cpu_collectives": "gloo", "plan.cpu_offload": "true"}, None, []),
+]
+
+
+@pytest.mark.parametrize("backend, overrides, device, fields", WITHOUT_EFFECT,
+                         ids=[f"{c[0]}-{'-'.join(c[3]) or 'honoured'}" for c in WITHOUT_EFFECT])
+def test_settings_without_effect_are_one_warning_each(backend, overrides, device, fields):
+    messages = check(backend, overrides, device)
+    assert [m.split(" ")[0] for m in messages] == fields, messages
+    assert all(f" has no effect on --backend {backend}: " in m for m in messages), messages
+
+
+@pytest.mark.parametrize("backend, device", [("cpu", None), ("cuda", None), ("xla", "CPU"), ("flax", "cpu")])
+def test_the_default_config_is_honoured_everywhere(backend, device):
+    assert check(backend, device=device) == []
+
+
+def test_every_rule_reads_fields_of_the_schema_and_names_known_targets():
+    fields = {f"{section}.{key}" for section, values in base_config().items() if hasattr(values, "keys")
+              for key in values}
+    for rule in capabilities.RULES:
+        assert rule.field in fields | {"--nproc"}, rule.field
+        assert {name for name, _ in rule.when} <= fields | {"device", "--nproc"}, rule
+        assert set(rule.verdicts) <= set(capabilities.TARGETS), rule
+        for verdict in rule.verdicts.values():
+            text = verdict.fix if isinstance(verdict, capabilities.Refused) else verdict.why
+            assert not re.search(r"\bissue|not built|yet\b", text), text
+
+
+def test_docs_table_is_generated_from_the_rules():
+    assert (ROOT / "docs" / "capabilities.md").read_text() == capabilities.markdown(), (
+        "docs/capabilities.md is stale: python -m portable_fsdp.capabilities > docs/capabilities.md")
+
+
+def test_readme_plan_table_lists_every_plan_field_and_links_the_capabilities():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### The plan"):]
+    table = table[:table.index("\n\n", table.index("| field |"))]
+    for field in base_config().plan:
+        assert f"plan.{field}" in table, f"README's plan table does not list plan.{field}"
+    assert "docs/capabilities.md" in readme
