@@ -14,9 +14,12 @@ import pathlib
 
 import ml_collections
 
+from portable_fsdp import plan as plan_lib
 from portable_fsdp.errors import UserError
 
 DEFAULT_RECIPE = "llama_tiny"
+# Fields whose value is a mapping (a ConfigDict of free keys, set whole: from JSON on the command line).
+MAPPING_FIELDS = frozenset(f"plan.{f.name}" for f in plan_lib.plan_fields() if isinstance(f.default, dict))
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -71,36 +74,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.max_grad_norm = 1.0  # 0 = no clipping
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
-    c.train.freeze = ""  # comma-separated regexes of parameter names to keep frozen (e.g. "embed_tokens")
+    c.train.freeze = []  # regexes of parameter names to keep frozen (e.g. ["embed_tokens"]; CLI: comma-separated)
     c.train.gradient_checkpointing = False  # the model's own; prefer plan.activation_checkpointing
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     c.train.progress_bar = True
     c.train.collective_timeout_s = 300
 
-    c.plan = ml_collections.ConfigDict()
-    c.plan.fsdp_size = -1
-    c.plan.cp_size = 1
-    c.plan.tp_size = 1
-    c.plan.ep_size = 1
-    c.plan.sp_size = 1
-    c.plan.cp_rotate_method = "allgather"  # allgather | alltoall
-    c.plan.cp_impl = "auto"  # auto | torch | portable
-    c.plan.cp_load_balance = True  # head-tail split; false = contiguous
-    c.plan.cpu_collectives = "auto"  # FSDP's collectives between CPU ranks: auto (shared memory on one host) | gloo
-    c.plan.reshard_after_forward = True
-    c.plan.cpu_offload = False
-    c.plan.auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
-    c.plan.transformer_layer_cls_to_wrap = ""  # comma-separated; empty = the model's _no_split_modules
-    c.plan.min_num_params = 0
-    c.plan.state_dict_type = "FULL_STATE_DICT"
-    c.plan.cpu_ram_efficient_loading = False
-    c.plan.activation_checkpointing = False
-    c.plan.param_dtype = "float32"
-    c.plan.reduce_dtype = "float32"
-    c.plan.xla = False
-    c.plan.xla_fsdp_settings = "{}"  # JSON object, passed to torch_xla by the xla backend
-    c.plan.xla_fsdp_grad_ckpt = False
-    c.plan.xla_fsdp_v2 = True  # xla backend: SPMD FSDPv2 (one process per host); false = FSDP v1 (one per device)
+    # Declared once, in portable_fsdp/plan.py: defaults, meanings and the Hugging Face keys that set them.
+    c.plan = ml_collections.ConfigDict({f.name: f.config_default for f in plan_lib.plan_fields()})
     return c
 
 
@@ -139,7 +120,7 @@ def _check_same_schema(config, schema, prefix: str) -> None:
     for key in config.keys():
         if key not in schema:
             raise UserError(f"config.{prefix}{key}", "is not a field of the schema (portable_fsdp/config.py)")
-        if isinstance(schema[key], ml_collections.ConfigDict):
+        if _is_section(schema[key], f"{prefix}{key}"):
             _check_same_schema(config[key], schema[key], f"{prefix}{key}.")
 
 
@@ -148,7 +129,7 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
     *parents, leaf = dotted.split(".")
     node = config
     for depth, name in enumerate(parents):
-        if name in node and not isinstance(node[name], ml_collections.ConfigDict):
+        if name in node and not _is_section(node[name], ".".join(parents[: depth + 1])):
             section = ".".join(parents[: depth + 1])
             raise UserError(f"config.{dotted}", f"config.{section} is a value, not a section; set --config.{section}=...")
         if name not in node:
@@ -156,7 +137,7 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
         node = node[name]
     if leaf not in node:
         _unknown(config, dotted)
-    if isinstance(node[leaf], ml_collections.ConfigDict):
+    if _is_section(node[leaf], dotted):
         raise UserError(f"config.{dotted}", "is a section; set one of its fields, e.g. "
                         f"--config.{dotted}.{next(iter(node[leaf].keys()))}=...")
     with node.unlocked():
@@ -164,13 +145,22 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
 
 
 def set_field(config: ml_collections.ConfigDict, dotted: str, value, source: str) -> None:
-    """Set a field from an already-parsed value (fsdp.json, Accelerate YAML), checking its type."""
+    """Set a field from an already-parsed value (fsdp.json, Accelerate YAML), checking its type. A list field
+    also takes one comma-separated string, as Hugging Face's files write class lists."""
     *parents, leaf = dotted.split(".")
     node = config
     for name in parents:
         node = node[name]
     expected = node[leaf]
-    if isinstance(expected, bool) != isinstance(value, bool) or not isinstance(value, type(expected)):
+    if isinstance(expected, list) and isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if dotted in MAPPING_FIELDS:
+        if not isinstance(value, dict):
+            raise UserError(source, f"must be a JSON object (got {value!r})")
+    elif isinstance(expected, list):
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise UserError(source, f"must be a list of names, e.g. class names (got {value!r})")
+    elif isinstance(expected, bool) != isinstance(value, bool) or not isinstance(value, type(expected)):
         if isinstance(expected, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         else:
@@ -198,10 +188,24 @@ def parse_value(raw: str, current, field: str):
             return value
         if kind is str:
             return raw
+        if kind is list:  # comma-separated, as Hugging Face writes class lists
+            return [part.strip() for part in raw.split(",") if part.strip()]
+        if kind is ml_collections.ConfigDict or kind is dict:
+            return _json_object(raw, field)
     except ValueError:
         article = "an" if kind.__name__[0] in "aeiou" else "a"
         raise UserError(field, f"expects {article} {kind.__name__}, got {raw!r}") from None
     raise UserError(field, f"cannot be set from the command line (type {kind.__name__})")
+
+
+def _json_object(raw: str, field: str) -> dict:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise UserError(field, f"is not a JSON object ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise UserError(field, "must be a JSON object such as {\"compute_dtype\": \"bfloat16\"}")
+    return value
 
 
 def _unknown(config, dotted: str) -> None:
@@ -211,19 +215,23 @@ def _unknown(config, dotted: str) -> None:
     raise UserError(f"config.{dotted}", f"unknown field{hint}")
 
 
+def _is_section(value, dotted: str) -> bool:
+    return isinstance(value, ml_collections.ConfigDict) and dotted not in MAPPING_FIELDS
+
+
 def _all_fields(config, prefix: str = ""):
     for key, value in config.items():
-        if isinstance(value, ml_collections.ConfigDict):
+        if _is_section(value, f"{prefix}{key}"):
             yield from _all_fields(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}"
 
 
-def xla_fsdp_settings(config) -> dict:
-    try:
-        settings = json.loads(config.plan.xla_fsdp_settings)
-    except json.JSONDecodeError as err:
-        raise UserError("plan.xla_fsdp_settings", f"is not a JSON object ({err.msg})") from None
-    if not isinstance(settings, dict):
-        raise UserError("plan.xla_fsdp_settings", "must be a JSON object such as {\"compute_dtype\": \"bfloat16\"}")
-    return settings
+def flat_fields(config) -> dict:
+    """{"section.field": value} of every field; mapping fields as plain dicts."""
+    flat = {}
+    for dotted in _all_fields(config):
+        section, _, name = dotted.rpartition(".")
+        value = config[section][name] if section else config[name]
+        flat[dotted] = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return flat

@@ -7,24 +7,12 @@ import pathlib
 import warnings
 
 from portable_fsdp.config import set_field
+from portable_fsdp.plan import plan_fields
 from portable_fsdp.errors import UserError
 
-# fsdp_config key -> config.plan field; both spellings (with and without "fsdp_") are accepted, as HF does.
-PLAN_KEYS = {
-    "reshard_after_forward": "reshard_after_forward",
-    "cpu_offload": "cpu_offload",
-    "offload_params": "cpu_offload",
-    "auto_wrap_policy": "auto_wrap_policy",
-    "transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
-    "min_num_params": "min_num_params",
-    "state_dict_type": "state_dict_type",
-    "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-    "activation_checkpointing": "activation_checkpointing",
-    "xla": "xla",
-    "xla_fsdp_settings": "xla_fsdp_settings",
-    "xla_fsdp_grad_ckpt": "xla_fsdp_grad_ckpt",
-    "xla_fsdp_v2": "xla_fsdp_v2",
-}
+# fsdp_config key -> config.plan field, from the declarations in plan.py; both spellings (with and without
+# "fsdp_") are accepted, as HF does.
+PLAN_KEYS = {key: field.name for field in plan_fields() for key in field.hf_keys}
 # FSDP1 knobs that FSDP2 does by itself or has no use for: accepted so existing files load, with a warning.
 NO_OP_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
               "limit_all_gathers", "sharded_state_dict_type", "offload_params_to_cpu")
@@ -75,9 +63,9 @@ def apply_accelerate_yaml(config, data: dict, path: str) -> None:
     _apply_parallelism_config(config, data.get("parallelism_config") or {}, path)
 
 
-# Accelerate's ParallelismConfig sizes -> mesh fields (sizes no backend builds yet are refused later, by name).
-PARALLELISM_KEYS = {"cp_size": "cp_size", "tp_size": "tp_size", "sp_size": "sp_size", "dp_shard_size": "fsdp_size",
-                    "cp_comm_strategy": "cp_rotate_method"}
+# Accelerate's ParallelismConfig keys -> config.plan fields, from the declarations in plan.py (what a backend
+# cannot honour is refused later, by name, by the capability table).
+PARALLELISM_KEYS = {key: field.name for field in plan_fields() for key in field.accelerate_keys}
 
 
 def _apply_parallelism_config(config, section: dict, path: str) -> None:
@@ -111,7 +99,7 @@ def apply_fsdp_dict(config, data: dict, path: str) -> None:
             continue
         if key not in PLAN_KEYS:
             raise UserError(source, f"is not an FSDP setting; known keys: {', '.join(sorted(PLAN_KEYS))}")
-        set_field(config, f"plan.{PLAN_KEYS[key]}", _normalise(key, value, source), source)
+        set_field(config, f"plan.{PLAN_KEYS[key]}", _normalise(value), source)
 
 
 def _strip_prefix(key: str) -> str:
@@ -127,16 +115,9 @@ def _apply_sharding_strategy(config, strategy, path: str) -> None:
     set_field(config, "plan.reshard_after_forward", SHARDING_STRATEGIES[name], f"{path}: sharding_strategy")
 
 
-def _normalise(key: str, value, source: str):
-    """Bring HF's loose spellings to the schema's types."""
-    if key == "transformer_layer_cls_to_wrap" and isinstance(value, list):
-        if not all(isinstance(item, str) for item in value):
-            raise UserError(source, f"must be a list of class names (got {value!r})")
-        return ",".join(value)
-    if key == "xla_fsdp_settings":
-        if not isinstance(value, dict):
-            raise UserError(source, f"must be a JSON object (got {value!r})")
-        return json.dumps(value)
+def _normalise(value):
+    """Accelerate writes some booleans as strings ('true'); class lists may be one comma-separated string,
+    which config.set_field splits."""
     if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"  # Accelerate writes some booleans as strings
+        return value.lower() == "true"
     return value

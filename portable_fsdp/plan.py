@@ -2,6 +2,11 @@
 
 Every backend lowers the same validated `ShardingPlan`; the field names are those Hugging Face
 users already write in their `fsdp_config`.
+
+Each plan field is declared once, here, with `setting(...)`: its default, its meaning, the values it takes,
+and the keys of a Hugging Face `fsdp_config` / Accelerate `parallelism_config` that set it. The config
+schema (`config.plan.*`, flat), the fsdp_config importer (hf_import.py) and `plan_from_config` are derived
+from these declarations (`plan_fields()`).
 """
 from __future__ import annotations
 
@@ -25,27 +30,30 @@ class StateDictType(str, enum.Enum):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-CP_ROTATE_METHODS = ("allgather", "alltoall")
-CP_IMPLS = ("auto", "torch", "portable")
-CPU_COLLECTIVES = ("auto", "gloo")
 
-# Mesh axes a backend cannot honour yet, and the product issue each waits for.
-UNBUILT_AXES = {
-    "tp_size": "tensor parallelism",
-    "ep_size": "expert parallelism for MoE models",
-    "sp_size": "Ulysses sequence parallelism",
-}
+
+def setting(default, doc: str, *, hf: tuple = (), accelerate: tuple = (), choices: tuple = (),
+            noun: str = "value"):
+    """Declare one plan field. `hf`: the fsdp_config keys that set it (with or without the `fsdp_` prefix);
+    `accelerate`: the ParallelismConfig keys (with or without `parallelism_config_`); `choices`: the values a
+    string field takes (`noun` names them in the error)."""
+    metadata = {"doc": doc, "hf": hf, "accelerate": accelerate, "choices": choices, "noun": noun}
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """Sizes of the device-mesh axes; `fsdp_size=-1` takes whatever the others leave."""
 
-    fsdp_size: int = -1
-    cp_size: int = 1
-    tp_size: int = 1
-    ep_size: int = 1
-    sp_size: int = 1
+    fsdp_size: int = setting(-1, "ranks parameters are sharded over; -1 = what the other axes leave of the world",
+                             accelerate=("dp_shard_size",))
+    cp_size: int = setting(1, "context parallelism: ranks one sequence is split over", accelerate=("cp_size",))
+    tp_size: int = setting(1, "tensor parallelism: ranks one layer's weights are split over", accelerate=("tp_size",))
+    ep_size: int = setting(1, "expert parallelism: ranks the experts of a MoE layer are split over")
+    sp_size: int = setting(1, "Ulysses sequence parallelism: ranks one sequence is split over, heads exchanged "
+                              "around attention", accelerate=("sp_size",))
 
     def other_axes(self) -> dict:
         return {"cp_size": self.cp_size, "tp_size": self.tp_size,
@@ -79,8 +87,9 @@ class MeshSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
+    param_dtype: str = setting("float32", "the dtype forward and backward compute in (float32 masters are kept)",
+                               choices=DTYPES, noun="dtype")
+    reduce_dtype: str = setting("float32", "the dtype gradients are reduced in", choices=DTYPES, noun="dtype")
 
     @property
     def enabled(self) -> bool:
@@ -91,28 +100,41 @@ class MixedPrecision:
 class XlaSettings:
     """Kept verbatim from a Hugging Face fsdp_config for the xla backend."""
 
-    xla: bool = False
-    xla_fsdp_settings: dict = dataclasses.field(default_factory=dict)
-    xla_fsdp_grad_ckpt: bool = False
-    xla_fsdp_v2: bool = True  # SPMD FSDPv2; False = XlaFullyShardedDataParallel (FSDP v1)
+    xla: bool = setting(False, "Hugging Face's switch to torch_xla's FSDP (--backend xla)", hf=("xla",))
+    xla_fsdp_settings: dict = setting({}, "keyword arguments for torch_xla's FSDP (a mapping)",
+                                      hf=("xla_fsdp_settings",))
+    xla_fsdp_grad_ckpt: bool = setting(False, "Hugging Face's XLA spelling of activation_checkpointing",
+                                       hf=("xla_fsdp_grad_ckpt",))
+    xla_fsdp_v2: bool = setting(True, "--backend xla: SPMD FSDPv2 (one process per host); false = FSDP v1 (one "
+                                      "process per device)", hf=("xla_fsdp_v2",))
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     mesh: MeshSpec = MeshSpec()
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    auto_wrap_policy: WrapPolicy = WrapPolicy.TRANSFORMER_BASED_WRAP
-    transformer_layer_cls_to_wrap: tuple = ()
-    min_num_params: int = 0
-    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
-    cpu_ram_efficient_loading: bool = False
-    activation_checkpointing: bool = False
+    reshard_after_forward: bool = setting(True, "free gathered parameters after forward (FULL_SHARD) or keep them "
+                                                "(SHARD_GRAD_OP)", hf=("reshard_after_forward",))
+    cpu_offload: bool = setting(False, "parameters, gradients and optimizer state live on the CPU",
+                                hf=("cpu_offload", "offload_params"))
+    auto_wrap_policy: WrapPolicy = setting(WrapPolicy.TRANSFORMER_BASED_WRAP, "which modules become FSDP units",
+                                           hf=("auto_wrap_policy",))
+    transformer_layer_cls_to_wrap: tuple = setting((), "layer classes to wrap; empty = the model's "
+                                                       "_no_split_modules", hf=("transformer_layer_cls_to_wrap",))
+    min_num_params: int = setting(0, "SIZE_BASED_WRAP: parameters a unit holds at least", hf=("min_num_params",))
+    state_dict_type: StateDictType = setting(StateDictType.FULL_STATE_DICT, "checkpoint layout",
+                                             hf=("state_dict_type",))
+    cpu_ram_efficient_loading: bool = setting(False, "only rank 0 builds/reads the weights; the others receive "
+                                                     "a broadcast", hf=("cpu_ram_efficient_loading",))
+    activation_checkpointing: bool = setting(False, "recompute each wrapped layer in backward",
+                                             hf=("activation_checkpointing",))
     mixed_precision: MixedPrecision = MixedPrecision()
-    cp_rotate_method: str = "allgather"  # how K/V move round the cp group: allgather | alltoall (ring)
-    cp_impl: str = "auto"  # auto (torch on CUDA, portable elsewhere) | torch | portable
-    cp_load_balance: bool = True  # head-tail chunks (even causal work); False = contiguous slices
-    cpu_collectives: str = "auto"  # CPU ranks: auto (shared memory on one host) | gloo (its TCP collectives)
+    cp_rotate_method: str = setting("allgather", "how K/V move round the cp group", accelerate=("cp_comm_strategy",),
+                                    choices=("allgather", "alltoall"))
+    cp_impl: str = setting("auto", "torch's context_parallel (CUDA) or the portable one; auto = torch on CUDA",
+                           choices=("auto", "torch", "portable"))
+    cp_load_balance: bool = setting(True, "head-tail chunks (even causal work); false = contiguous slices")
+    cpu_collectives: str = setting("auto", "CPU ranks: FSDP's collectives through shared memory on one host "
+                                           "(auto) or gloo's", choices=("auto", "gloo"))
     xla: XlaSettings = XlaSettings()
 
     def validate(self, *, model_gradient_checkpointing: bool = False) -> None:
@@ -129,39 +151,16 @@ class ShardingPlan:
             raise UserError("plan.min_num_params", (
                 "SIZE_BASED_WRAP needs a positive min_num_params (e.g. 100000000); "
                 "set plan.min_num_params or choose another plan.auto_wrap_policy"))
-        if self.cp_rotate_method not in CP_ROTATE_METHODS:
-            raise UserError("plan.cp_rotate_method", (
-                f"unknown value {self.cp_rotate_method!r}; choose one of {', '.join(CP_ROTATE_METHODS)}"))
-        if self.cp_impl not in CP_IMPLS:
-            raise UserError("plan.cp_impl", f"unknown value {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
-        if self.cpu_collectives not in CPU_COLLECTIVES:
-            raise UserError("plan.cpu_collectives", (
-                f"unknown value {self.cpu_collectives!r}; choose one of {', '.join(CPU_COLLECTIVES)}"))
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self.mixed_precision, name)
-            if value not in DTYPES:
-                raise UserError(f"plan.{name}", f"unknown dtype {value!r}; choose one of {', '.join(DTYPES)}")
+        for field in plan_fields():
+            value = field.value_in(self)
+            if field.choices and value not in field.choices:
+                raise UserError(f"plan.{field.name}", (
+                    f"unknown {field.noun} {value!r}; choose one of {', '.join(field.choices)}"))
 
     def resolved_cp_impl(self, device_type: str) -> str:
-        """`auto` takes torch's context_parallel on CUDA (its fused SDPA kernels), portable elsewhere."""
-        impl = self.cp_impl if self.cp_impl != "auto" else ("torch" if device_type == "cuda" else "portable")
-        if impl == "torch" and not self.cp_load_balance:
-            raise UserError("plan.cp_load_balance", (
-                "= false is not supported by cp_impl=torch (torch's context_parallel always splits head-tail); "
-                "use plan.cp_impl=portable or keep plan.cp_load_balance=true"))
-        if impl == "torch" and device_type != "cuda":
-            raise UserError("plan.cp_impl", (
-                f"torch's context_parallel needs CUDA SDPA kernels and cannot run on {device_type}; "
-                "use plan.cp_impl=portable (or auto)"))
-        return impl
-
-    def check_buildable(self) -> None:
-        """Refuse, instead of ignoring, what no backend built so far can honour."""
-        for name, size in self.mesh.other_axes().items():
-            if size > 1 and name in UNBUILT_AXES:
-                raise UserError(f"plan.{name}", (
-                    f"{size} needs {UNBUILT_AXES[name]}, which is not built yet (no product issue covers it so "
-                    f"far); set plan.{name}=1"))
+        """`auto` takes torch's context_parallel on CUDA (its fused SDPA kernels), portable elsewhere; what a
+        device cannot run is refused at start-up by the capability table (portable_fsdp/capabilities.py)."""
+        return self.cp_impl if self.cp_impl != "auto" else ("torch" if device_type == "cuda" else "portable")
 
     def wrap_classes(self, model_no_split: Sequence[str], model_classes: Sequence[str]) -> tuple:
         """The layer classes to wrap: the plan's, or the model's own `_no_split_modules` when empty."""
@@ -177,6 +176,73 @@ class ShardingPlan:
             raise UserError("plan.transformer_layer_cls_to_wrap", (
                 f"the model has no class {', '.join(missing)}; classes it has: {', '.join(layers)}"))
         return wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanField:
+    """One declared plan field, flattened: `config.plan.<name>` is `ShardingPlan.<path>`."""
+
+    name: str
+    path: tuple
+    default: object
+    doc: str
+    hf_keys: tuple
+    accelerate_keys: tuple
+    choices: tuple
+    noun: str
+
+    def value_in(self, plan) -> object:
+        for attribute in self.path:
+            plan = getattr(plan, attribute)
+        return plan
+
+    @property
+    def config_default(self):
+        """The default as the config holds it: an enum by its name, a tuple as a list, a mapping as a dict."""
+        if isinstance(self.default, enum.Enum):
+            return self.default.value
+        if isinstance(self.default, tuple):
+            return list(self.default)
+        return self.default
+
+    def from_config(self, value):
+        """The config's value as the plan holds it (the config's types were checked when it was set)."""
+        field = f"plan.{self.name}"
+        if isinstance(self.default, enum.Enum):
+            return parse_enum(type(self.default), value, field)
+        if isinstance(self.default, tuple):
+            return as_class_list(value, field)
+        if isinstance(self.default, dict):
+            return dict(value.to_dict() if hasattr(value, "to_dict") else value)
+        return value
+
+
+def _leaves(cls, prefix: tuple = ()):
+    for field in dataclasses.fields(cls):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if dataclasses.is_dataclass(default):
+            yield from _leaves(type(default), (*prefix, field.name))
+        else:
+            meta = field.metadata
+            yield PlanField(field.name, (*prefix, field.name), default, meta["doc"], meta["hf"], meta["accelerate"],
+                            meta["choices"], meta["noun"])
+
+
+def plan_fields() -> tuple:
+    """Every plan field, in declaration order."""
+    return tuple(_leaves(ShardingPlan))
+
+
+def build(cls, values: dict, prefix: tuple = ()):
+    """A `cls` (ShardingPlan or one of its parts) from {flat name: plan value}."""
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if dataclasses.is_dataclass(default):
+            kwargs[field.name] = build(type(default), values, (*prefix, field.name))
+        elif field.name in values:
+            kwargs[field.name] = values[field.name]
+    return cls(**kwargs)
 
 
 def parse_enum(enum_type, value, field: str):

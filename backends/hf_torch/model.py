@@ -70,11 +70,11 @@ def create_model(config, rank: int, rank0_only: bool):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
-def freeze_parameters(model, patterns: str) -> None:
-    """Set requires_grad=False on parameters whose name matches any of the comma-separated regexes."""
+def freeze_parameters(model, patterns: list) -> None:
+    """Set requires_grad=False on parameters whose name matches any of the regexes (train.freeze)."""
     import re
 
-    regexes = [re.compile(p.strip()) for p in patterns.split(",") if p.strip()]
+    regexes = [re.compile(p.strip()) for p in patterns if p.strip()]
     names = [name for name, _ in model.named_parameters()]
     for regex in regexes:
         if not any(regex.search(name) for name in names):

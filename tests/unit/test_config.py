@@ -173,7 +173,7 @@ def test_override_str(config):
     apply_override(config, "plan.transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP")
     apply_override(config, "model.init_from", "")
     assert config.data.source == "/data/corpus.txt"
-    assert config.plan.transformer_layer_cls_to_wrap == "LlamaDecoderLayer,LlamaMLP"
+    assert config.plan.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer", "LlamaMLP"]  # a list field
     assert config.model.init_from == ""
 
 
@@ -254,7 +254,16 @@ def test_parse_value_refuses(raw, current, kind):
         parse_value(raw, current, "config.x")
 
 
-@pytest.mark.parametrize("current, kind", [(None, "NoneType"), ({"a": 1}, "dict"), ([1], "list")])
+@pytest.mark.parametrize("raw, current, expected", [
+    ("A, B,,C", [], ["A", "B", "C"]),
+    ("", ["x"], []),
+    ('{"a": 1, "b": [true]}', {}, {"a": 1, "b": [True]}),
+])
+def test_parse_value_lists_and_mappings(raw, current, expected):
+    assert parse_value(raw, current, "config.x") == expected
+
+
+@pytest.mark.parametrize("current, kind", [(None, "NoneType"), ((1,), "tuple")])
 def test_parse_value_unsupported_type(current, kind):
     with user_error("config.x", f"cannot be set from the command line (type {kind})"):
         parse_value("1", current, "config.x")

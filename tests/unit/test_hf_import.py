@@ -52,7 +52,7 @@ def test_hf_example_maps_onto_plan(config, tmp_path):
     assert p.reshard_after_forward is True
     assert p.cpu_offload is False
     assert p.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
-    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
     assert p.state_dict_type == "FULL_STATE_DICT"
     assert p.cpu_ram_efficient_loading is True
     assert p.activation_checkpointing is True
@@ -80,7 +80,7 @@ def test_fsdp_prefixed_keys(config, tmp_path):
     assert p.auto_wrap_policy == "SIZE_BASED_WRAP" and p.min_num_params == 100000
     assert p.state_dict_type == "SHARDED_STATE_DICT"
     assert p.reshard_after_forward is False
-    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
     plan = validate.resolve_plan(config, 1)
     assert plan.auto_wrap_policy is WrapPolicy.SIZE_BASED_WRAP
     assert plan.state_dict_type is StateDictType.SHARDED_STATE_DICT
@@ -88,7 +88,7 @@ def test_fsdp_prefixed_keys(config, tmp_path):
 
 def test_class_list_joined(config, tmp_path):
     apply_quietly(config, write_json(tmp_path, {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer", "LlamaMLP"]}))
-    assert config.plan.transformer_layer_cls_to_wrap == "LlamaDecoderLayer,LlamaMLP"
+    assert config.plan.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer", "LlamaMLP"]
 
 
 def test_xla_keys_kept(config, tmp_path):
@@ -97,7 +97,7 @@ def test_xla_keys_kept(config, tmp_path):
                                                 "xla_fsdp_grad_ckpt": True}))
     assert config.plan.xla is True
     assert config.plan.xla_fsdp_grad_ckpt is True
-    assert json.loads(config.plan.xla_fsdp_settings) == settings
+    assert config.plan.xla_fsdp_settings.to_dict() == settings
     plan = validate.plan_from_config(config)
     assert plan.xla.xla and plan.xla.xla_fsdp_grad_ckpt
     assert plan.xla.xla_fsdp_settings == settings
@@ -153,7 +153,7 @@ def test_unknown_key(config, tmp_path):
     ("min_num_params", 1.5, "must be a int (got 1.5)"),
     ("reshard_after_forward", 1, "must be a bool (got 1)"),
     ("auto_wrap_policy", 2, "must be a str (got 2)"),
-    ("transformer_layer_cls_to_wrap", ["LlamaDecoderLayer", 3], "must be a list of class names"),
+    ("transformer_layer_cls_to_wrap", ["LlamaDecoderLayer", 3], "must be a list of names"),
 ])
 def test_wrong_type(config, tmp_path, key, value, phrase):
     path = write_json(tmp_path, {key: value})
@@ -224,7 +224,7 @@ def test_accelerate_yaml(config, tmp_path):
     p = config.plan
     assert p.cpu_offload is True
     assert p.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
-    assert p.transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
     assert p.reshard_after_forward is False
     assert p.state_dict_type == "SHARDED_STATE_DICT"
     assert p.activation_checkpointing is True
