@@ -51,7 +51,7 @@ class TrainState:
     ctx: Context
 
 
-def init(config, plan: ShardingPlan, backend: str = "flax") -> TrainState:
+def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
     baseline_mb = tuple(resources.memory_now_mb(device) for device in devices)
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing

@@ -29,7 +29,7 @@ def init_state(config, world_size: int):
     from portable_fsdp.backends.flax import step
     from portable_fsdp.validate import resolve_plan
 
-    return step.init(config, resolve_plan(config, world_size))
+    return step.init(config, resolve_plan(config, world_size), "flax")
 
 
 def flax_losses(config, world_size: int, steps: int) -> list:

@@ -28,14 +28,6 @@ def test_mixed_precision_keeps_float32_masters():
     assert {a.dtype.name for a in state.params.values()} == {"float32"}  # bf16 is the compute dtype only
 
 
-def test_the_flax_backend_offers_the_whole_backend_surface():
-    import portable_fsdp.backends.flax as flax_backend
-    import portable_fsdp.backends.torch as torch_backend
-
-    assert set(torch_backend.__all__) <= set(flax_backend.__all__)
-    assert all(callable(getattr(flax_backend, name)) for name in flax_backend.__all__)
-
-
 @needs_devices(2)
 def test_a_nonfinite_step_leaves_weights_and_optimizer_untouched():
     import jax
