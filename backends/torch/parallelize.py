@@ -1,5 +1,4 @@
-"""The plan applied to a torch model, one technique per function, in a fixed order:
-activation checkpointing, then `fully_shard` of each wrapped unit, then the root."""
+"""The plan applied to a torch model: `parallelize` calls one `apply_*` per technique, in a fixed order."""
 from __future__ import annotations
 
 import warnings
@@ -9,16 +8,30 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
+from portable_fsdp.backends.torch.mesh import Meshes
 from portable_fsdp.plan import ShardingPlan, WrapPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parallelize(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple, device_type: str) -> nn.Module:
+def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGroup | None, layer_classes: tuple,
+                device_type: str) -> nn.Module:
+    """Lower `plan` onto `model` in place (and return it), in this order, as torchtitan does:
+
+    1. context parallelism (when `cp`): attention over the cp group's sequence shards;
+    2. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
+    3. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
+       `meshes.shard`.
+
+    Tensor and expert parallelism, when they come, go before context parallelism: they change the modules
+    the later steps wrap and shard."""
+    if cp is not None:
+        apply_context_parallel(model, cp)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
-    apply_fsdp(model, plan, mesh, layer_classes, device_type)
+    apply_fsdp(model, plan, meshes.shard, layer_classes, device_type)
     return model
 
 

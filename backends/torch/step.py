@@ -23,7 +23,7 @@ from portable_fsdp.backends.hf_torch import model as model_lib
 from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
-from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
+from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.model import broadcast_from_rank0
@@ -80,9 +80,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cp is not None:
-        apply_context_parallel(model, cp)
-    parallelize(model, plan, meshes.shard, layer_classes, runtime.device.type)
+    parallelize(model, plan, meshes, cp, layer_classes, runtime.device.type)
     parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
     if rank0_only:
         broadcast_from_rank0(model, full_weights, parameters_on)
