@@ -16,14 +16,14 @@ from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # one `error:` line and exit 2, not a usage dump
         raise UserError("command line", message)
 
 
 def parse_args(argv):
-    parser = _Parser(prog="python -m portable_fsdp.run", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m portable_fsdp.run", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
                         help="auto = cuda when a GPU is present, else cpu; xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
@@ -31,15 +31,27 @@ def parse_args(argv):
     parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
     parser.add_argument("--fsdp_config", default=None, help="a Hugging Face fsdp_config JSON or an Accelerate YAML")
     args, rest = parser.parse_known_args(argv)
+    return args, config_overrides(rest)
+
+
+def config_overrides(items) -> list:
+    """`--config.a.b=value` arguments -> [("a.b", "value"), ...]; any other argument is an error."""
     overrides = []
-    for item in rest:
+    for item in items:
         if not item.startswith("--config."):
             raise UserError("command line", f"unrecognised argument {item!r}; fields are set as --config.a.b=value")
         key, sep, value = item[len("--config."):].partition("=")
         if not sep:
             raise UserError(f"config.{key}", "needs a value: write --config.a.b=value")
         overrides.append((key, value))
-    return args, overrides
+    return overrides
+
+
+def default_workdir(name: str) -> pathlib.Path:
+    """runs/<name>-<time>. Under torchrun every rank must name the same directory: its run id, not each
+    rank's clock."""
+    stamp = os.environ.get("TORCHELASTIC_RUN_ID") or f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    return pathlib.Path(f"runs/{name}-{stamp}")
 
 
 def resolve_backend(name: str) -> str:
@@ -76,9 +88,7 @@ def main(argv=None) -> int:
         if nproc < 1:
             raise UserError("--nproc", f"must be at least 1 (got {nproc})")
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
-        # Under torchrun every rank must name the same directory: its run id, not each rank's clock.
-        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        workdir = pathlib.Path(args.workdir or f"runs/{recipe}-{stamp}")
+        workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp import launch
 
         return launch.start(config, backend, workdir, nproc)
