@@ -1,8 +1,10 @@
-"""`python -m portable_fsdp.crosscheck --backends cpu,xla,flax --steps 20 [--config recipe.py[:arg]]`
+"""`python -m portable_fsdp.crosscheck --backends cpu,xla,flax --steps 20 [--config recipe[:arg]] [--config.a.b=v]`
 
 Can I trust my loss on a new accelerator? Every backend trains from one set of initial weights (made
 once, saved, and loaded by each backend through model.init_from — converted, never re-initialised) on
-the same batches; the per-step losses go into one table, a JSON file and a PNG plot. The exit status
+the same batches; the per-step losses go into one table, and into crosscheck.json and crosscheck.png in
+--workdir (default runs/crosscheck-<time>). Config fields are set as for `python -m portable_fsdp.run`,
+with --config.a.b=value, for every backend; --override BACKEND:a.b=value sets one for one backend. The exit status
 is 1 when two backends differ by more than --rtol at any step (or a backend fails), else 0.
 """
 from __future__ import annotations
@@ -18,33 +20,31 @@ import tempfile
 from portable_fsdp import backends
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
+from portable_fsdp.run import Parser, config_overrides, default_workdir
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m portable_fsdp.crosscheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """-> (args, [(key, value)] from --config.a.b=value, as `python -m portable_fsdp.run` reads them)."""
+    parser = Parser(prog="python -m portable_fsdp.crosscheck", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="cpu,xla,flax", help="comma-separated; the first is the reference")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--config", default=f"{DEFAULT_RECIPE}:test", help="recipe[:arg] (default: llama_tiny:test)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks / devices per backend")
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference allowed (fp32)")
-    parser.add_argument("--out", default="crosscheck", help="writes OUT.json and OUT.png")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every backend, e.g. --set plan.cp_size=2")
+    parser.add_argument("--workdir", default=None,
+                        help="where crosscheck.json and crosscheck.png go (default: runs/crosscheck-<time>)")
     parser.add_argument("--override", action="append", default=[], metavar="BACKEND:KEY=VALUE",
                         help="a config override for one backend only (e.g. to check that a difference is caught)")
-    return parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    return args, config_overrides(rest)
 
 
-def _split_override(text: str, backend_prefix: bool):
-    backend = None
-    if backend_prefix:
-        backend, sep, text = text.partition(":")
-        if not sep:
-            raise UserError("--override", f"{text!r}: write BACKEND:key=value, e.g. flax:train.lr=0.01")
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise UserError("--set" if not backend_prefix else "--override", f"{text!r}: write key=value")
+def _split_override(text: str):
+    backend, sep, rest = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not sep or not eq:
+        raise UserError("--override", f"{text!r}: write BACKEND:key=value, e.g. flax:train.lr=0.01")
     return backend, key, value
 
 
@@ -117,13 +117,17 @@ def plot(results: dict, rows: list, path: pathlib.Path, title: str) -> None:
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
+        args, shared = parse_args(sys.argv[1:] if argv is None else argv)
         names = [n.strip() for n in args.backends.split(",") if n.strip()]
         for name in names:
             if name not in backends.BACKENDS:
                 raise UserError("--backends", f"unknown backend {name!r}; choose from {', '.join(backends.BACKENDS)}")
-        shared = [_split_override(s, False)[1:] for s in args.set]
-        per_backend = [_split_override(s, True) for s in args.override]
+        per_backend = [_split_override(s) for s in args.override]
+        workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir("crosscheck")
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError("--workdir", f"cannot create {workdir} ({err.strerror}); choose another directory") from None
         with tempfile.TemporaryDirectory() as scratch:
             scratch = pathlib.Path(scratch)
             initial_weights(args.config, shared, scratch / "weights")
@@ -138,9 +142,9 @@ def main(argv=None) -> int:
     rows = compare(results, args.steps)
     worst = max((r["max_rel_diff"] for r in rows), default=0.0)
     failed = [n for n, r in results.items() if r["status"].startswith("failed")]
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"config": args.config, "steps": args.steps, "rtol": args.rtol, "overrides": args.set + args.override,
+    out = workdir / "crosscheck"
+    summary = {"config": args.config, "steps": args.steps, "rtol": args.rtol,
+               "overrides": [f"config.{k}={v}" for k, v in shared] + args.override,
                "backends": {n: r for n, r in results.items()}, "rows": rows, "max_rel_diff": worst,
                "agree": worst <= args.rtol and not failed}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
