@@ -4,26 +4,30 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEST_RECIPE
 
 
-def crosscheck(tmp_path, *extra):
+def crosscheck(cwd, *extra):
     return subprocess.run([sys.executable, "-m", "portable_fsdp.crosscheck", "--backends", "cpu,flax", "--steps", "5",
-                           "--out", str(tmp_path / "cc"), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--config", TEST_RECIPE, *extra], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def test_backends_agree_and_a_wrong_learning_rate_is_caught(tmp_path):
-    agree = crosscheck(tmp_path)
+    # --config.* overrides as `run` takes them; no --workdir: runs/crosscheck-<time>, nothing in the cwd itself
+    agree = crosscheck(tmp_path, "--config.train.weight_decay=0.05")
     assert agree.returncode == 0, agree.stderr[-3000:]
-    report = json.loads((tmp_path / "cc.json").read_text())
+    (workdir,) = (tmp_path / "runs").iterdir()
+    assert workdir.name.startswith("crosscheck-") and sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    report = json.loads((workdir / "crosscheck.json").read_text())
     assert report["agree"] and report["max_rel_diff"] <= 1e-4
+    assert report["overrides"] == ["config.train.weight_decay=0.05"]
     assert [r["step"] for r in report["rows"]] == [1, 2, 3, 4, 5]
-    assert (tmp_path / "cc.png").stat().st_size > 10_000
+    assert (workdir / "crosscheck.png").stat().st_size > 10_000
     assert "agree: largest relative difference" in agree.stdout
 
-    perturbed = crosscheck(tmp_path, "--override", "flax:train.lr=0.0031")
+    perturbed = crosscheck(ROOT, "--workdir", str(tmp_path / "cc"), "--override", "flax:train.lr=0.0031")
     assert perturbed.returncode == 1
-    report = json.loads((tmp_path / "cc.json").read_text())
+    report = json.loads((tmp_path / "cc" / "crosscheck.json").read_text())
     assert not report["agree"] and report["max_rel_diff"] > 1e-4
     assert "DISAGREE" in perturbed.stdout and "<-- over rtol" in perturbed.stdout
 
@@ -33,3 +37,13 @@ def test_an_unknown_backend_is_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --backends: unknown backend 'tpu'; choose from cpu, cuda, xla, flax"
+
+
+def test_config_fields_are_checked_as_run_checks_them(tmp_path):
+    proc = crosscheck(tmp_path, "--config.train.stepz=3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config.train.stepz: unknown field; did you mean config.train.steps?"
+    proc = crosscheck(tmp_path, "--set", "train.steps=3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: command line: unrecognised argument '--set'; fields are set as "
+                                   "--config.a.b=value")
