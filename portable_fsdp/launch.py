@@ -8,7 +8,6 @@ import pathlib
 import socket
 import sys
 import uuid
-import warnings
 
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.data.loader import build_token_data
@@ -49,7 +48,11 @@ def prepare_workdir(workdir: pathlib.Path, config) -> None:
         checkpointing.check_compatible(checkpointing.verify(checkpointing.latest(workdir)), config)
 
 
-def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
+def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> dict | None:
+    """Validate, start the workers and train. Returns the run's summary (the dict `loop.run` returns; rank 0's
+    when this process launched several; None under torch_xla's own launcher, FSDP v1). A run that fails
+    prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
+    130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError."""
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
     if backend_name == "flax":
         return _start_jax(config, spec, workdir, nproc)
@@ -59,18 +62,16 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> int:
         return start_xla(config, spec, workdir, nproc, preflight)
     if under_torchrun():  # every rank checks (cheap, deterministic) before any collective starts
         preflight(config, backend_name, int(os.environ["WORLD_SIZE"]), workdir)
-        worker.main(spec)
-        return 0
+        return worker.main(spec)
     preflight(config, backend_name, nproc, workdir)
     if nproc == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port()))
-        worker.main(spec)
-        return 0
+        return worker.main(spec)
     return _elastic_launch(spec, nproc)
 
 
-def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> int:
+def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> dict:
     """JAX: one process drives `nproc` devices (host CPU devices unless JAX_PLATFORMS names others), so no
     launcher; the plan's world size is the device count. Host devices are set up before jax is imported."""
     if under_torchrun():
@@ -80,8 +81,7 @@ def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> int:
     configure_host_devices(nproc)
     preflight(config, "flax", nproc, workdir, device=platform())
     os.environ.update(RANK="0", WORLD_SIZE=str(nproc))
-    worker.main(spec)
-    return 0
+    return worker.main(spec)
 
 
 def _rendezvous_port() -> int:
@@ -99,7 +99,8 @@ def _rendezvous_port() -> int:
         return s.getsockname()[1]
 
 
-def _elastic_launch(spec: dict, nproc: int) -> int:
+def _elastic_launch(spec: dict, nproc: int) -> dict:
+    """Rank 0's summary (the launcher returns {rank: what worker.main returned}); SystemExit on a failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -108,13 +109,12 @@ def _elastic_launch(spec: dict, nproc: int) -> int:
                                  rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_rendezvous_port()}",
                                  max_restarts=0, monitor_interval=0.1, start_method="spawn")
     try:
-        elastic_launch(launch_config, worker.main)(spec)
+        return elastic_launch(launch_config, worker.main)(spec)[0]
     except ChildFailedError as err:
-        return _report_failure(err)
+        raise SystemExit(_report_failure(err)) from None
     except SignalException as err:  # the launcher was signalled; the agent has already stopped every worker
         print(f"error: interrupted by {err.sigval.name}; workers stopped", file=sys.stderr)
-        return Interrupted.exit_code
-    return 0
+        raise SystemExit(Interrupted.exit_code) from None
 
 
 def _message(failure) -> str:

@@ -91,10 +91,13 @@ def main(argv=None) -> int:
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp import launch
 
-        return launch.start(config, backend, workdir, nproc)
+        launch.start(config, backend, workdir, nproc)
+        return 0
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return err.exit_code
+    except SystemExit as exit_:  # the run failed and its `error:` line is printed
+        return exit_.code if isinstance(exit_.code, int) else 1
 
 
 if __name__ == "__main__":

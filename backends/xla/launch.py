@@ -14,9 +14,10 @@ from portable_fsdp import worker
 from portable_fsdp.backends.xla import environment, fsdp_settings
 
 
-def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> int:
+def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> dict | None:
     """`preflight(config, backend_name, world_size, workdir, device) -> plan`: the launcher's shared checks
-    (the capability table included). Returns the exit status."""
+    (the capability table included). Returns the run's summary (None under FSDP v1, whose processes torch_xla
+    starts); a failed run prints its `error:` line and raises SystemExit, as `portable_fsdp.launch.start` says."""
     environment.configure(nproc)
     device = environment.device_type()
     v2 = config.plan.xla_fsdp_v2
@@ -30,17 +31,13 @@ def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> i
         fsdp_settings.check_spmd(plan.xla.xla_fsdp_settings, signature)
     else:
         fsdp_settings.v1_kwargs(plan, plan.xla.xla_fsdp_settings, signature, config.train.weight_decay)
-    try:
-        if v2:
-            os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
-            worker.main(spec)
-        else:
-            import torch_xla.distributed.xla_multiprocessing as xmp
+    if v2:
+        os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
+        return worker.main(spec)
+    import torch_xla.distributed.xla_multiprocessing as xmp
 
-            xmp.spawn(_v1_process, args=(spec,), nprocs=1 if device == "CPU" else None)
-    except SystemExit as exit_:  # the worker printed its own `error:` line
-        return exit_.code if isinstance(exit_.code, int) else 1
-    return 0
+    xmp.spawn(_v1_process, args=(spec,), nprocs=1 if device == "CPU" else None)
+    return None
 
 
 def _v1_process(index: int, spec: dict) -> None:
