@@ -1,0 +1,138 @@
+"""The Python API: the pieces `python -m portable_fsdp.run` is made of, for a notebook or a loop of your own.
+
+    import portable_fsdp as pf
+
+    config = pf.get_config("llama_tiny:test", {"train.steps": 5})
+    plan = pf.plan_for(config)                 # world size: 1 here, torchrun's under torchrun
+    backend = pf.load_backend("cpu")           # a `portable_fsdp.backend.Backend`
+    state = backend.init(config, plan, "cpu")
+    data = pf.Batches(config, backend, state)
+    for step in range(config.train.steps):
+        state, metrics = backend.train_step(state, data.train(step))
+    print(pf.evaluate(backend, state, data.eval))
+    pf.save(backend, state, "runs/mine", config, plan)
+    backend.finalize(state)
+
+or the whole run, as the command runs it: `summary = pf.train(config, backend="cpu", workdir="runs/x")`.
+Imports no framework: the backend's is imported by `load_backend`.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from portable_fsdp import backends, checkpointing, loop
+from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.errors import UserError
+from portable_fsdp.evaluation import evaluate
+from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.validate import resolve_plan
+
+__all__ = ["get_config", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
+
+# What torch's process group reads (env://), for one process when nothing (torchrun, the user) set them.
+_SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+# What an in-process `train` sets and puts back afterwards.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RunFailed(Exception):
+    """`train` ended without a summary; the run printed why (its `error:` line). `exit_code` as the command's."""
+
+    def __init__(self, exit_code: int):
+        self.exit_code = exit_code
+        super().__init__(f"the run failed with exit status {exit_code}; its error line is printed above")
+
+
+def get_config(recipe: str | None = None, overrides: dict | None = None):
+    """The locked ConfigDict of `recipe` ("path/to/recipe.py[:arg]" or a bundled name such as "llama_tiny:test";
+    None = the default job), with `overrides` as `--config.a.b=value` sets them: {"train.steps": 5, ...}
+    (values may be Python values or their command-line text). An unknown field or a wrong type is a UserError."""
+    config = load_recipe(recipe)
+    for key, value in (overrides or {}).items():
+        apply_override(config, key, str(value).lower() if isinstance(value, bool) else str(value))
+    return config
+
+
+def plan_for(config, world_size: int | None = None) -> ShardingPlan:
+    """The validated sharding plan, its mesh sized for `world_size` (default: WORLD_SIZE, else 1)."""
+    return resolve_plan(config, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def load_backend(name: str = "cpu"):
+    """The backend module for `name` (cpu, cuda, xla, flax). Outside torchrun this process becomes rank 0 of 1:
+    the environment torch's process group reads is set where unset, so `backend.init` needs no launcher."""
+    if name not in backends.BACKENDS:
+        raise UserError("backend", f"unknown backend {name!r}; choose from {', '.join(backends.BACKENDS)}")
+    if "WORLD_SIZE" not in os.environ:
+        from portable_fsdp.launch import _rendezvous_port
+
+        os.environ.update({**_SINGLE_PROCESS, "MASTER_PORT": str(_rendezvous_port())})
+    return backends.load(name)
+
+
+class Batches:
+    """This process's batches, as the training loop reads them: `train(step)` -> the micro-batches of optimizer
+    step `step` (a list of `data.loader.Batch`, `train.grad_accum_steps` long); `eval` -> the eval batches."""
+
+    def __init__(self, config, backend, state):
+        t = config.train
+        where = backend.placement(state)
+        data = build_token_data(config.data, backend.model_info(state).vocab_size, min_train_sequences=t.batch_size)
+        documents_end_at = data.eos_token_id if config.data.document_masking else None
+        self._train = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
+        self._where = where
+        self.eval = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches,
+                                 documents_end_at)
+
+    def train(self, step: int) -> list:
+        return self._train.micro_batches(step, self._where.dp_rank, self._where.dp_size)
+
+
+def save(backend, state, workdir, config, plan: ShardingPlan, backend_name: str | None = None,
+         keep_last_n: int = 0) -> pathlib.Path:
+    """Write a checkpoint of `state` as the loop does (every rank calls it): workdir/checkpoints/step_N, committed
+    atomically, `latest` pointing at it. `backend_name`: the name the backend was loaded as (default: the module's
+    first name, e.g. cpu for the torch lowering). Returns the checkpoint's directory."""
+    where = backend.placement(state)
+    name = backend_name or next(n for n, module in backends.BACKENDS.items() if module == backend.__name__)
+    info = loop._manifest_info(config, plan, name, where)
+    return loop.save(backend, state, pathlib.Path(workdir), info, keep_last_n, where.rank == 0)
+
+
+def load(backend, state, path, config):
+    """`state` restored from a checkpoint directory, or from the newest checkpoint of a workdir (checksums
+    verified, the model checked to match `config`). Consumes `state`: use the one returned."""
+    path = pathlib.Path(path)
+    checkpoint = path if (path / checkpointing.MANIFEST).exists() else checkpointing.latest(path)
+    if checkpoint is None:
+        raise UserError("load", f"{path} is neither a checkpoint nor a workdir with one")
+    return loop._resume(backend, state, checkpoint, config)
+
+
+def train(config, backend: str = "cpu", workdir=None, nproc: int | None = 1) -> dict | None:
+    """Train as `python -m portable_fsdp.run` does, with `nproc` local processes (1: in this one; None: the
+    command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
+    defaults to runs/train-<time>. Raises UserError on a bad setting, RunFailed when the run fails after it
+    started."""
+    from portable_fsdp import launch
+    from portable_fsdp.run import default_nproc, default_workdir, resolve_backend
+
+    name = resolve_backend(backend)
+    backends.load(name)
+    nproc = default_nproc(name) if nproc is None else nproc
+    if nproc < 1:
+        raise UserError("nproc", f"must be at least 1 (got {nproc})")
+    workdir = pathlib.Path(workdir) if workdir else default_workdir("train")
+    saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    try:
+        return launch.start(config, name, workdir, nproc)
+    except SystemExit as exit_:
+        raise RunFailed(exit_.code if isinstance(exit_.code, int) else 1) from None
+    finally:  # an in-process run sets them: leave this process's environment as it was
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

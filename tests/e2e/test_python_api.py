@@ -1,0 +1,68 @@
+"""The Python API as the README shows it: its custom-loop example runs as written, in a single process without
+torchrun, and `train(...)` returns the run's summary (in this process, and rank 0's from 2 processes)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def readme_example() -> str:
+    """The first python block of the README's "Python API" section, exactly as written there."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Python API\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "README.md has no '## Python API' section"
+    block = re.search(r"^```python\n(.*?)^```", section.group(1), re.S | re.M)
+    assert block, "the README's Python API section has no ```python block"
+    return block.group(1)
+
+
+def python(code: str, cwd, timeout=300):
+    # in a directory of its own: the example writes runs/ where it runs
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_readme_custom_loop_runs_as_written(tmp_path):
+    code = readme_example()
+    assert len(code.splitlines()) <= 25
+    proc = python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in proc.stdout.splitlines() if re.fullmatch(r"\d+ \d+\.\d+", line)]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert "'eval_loss'" in proc.stdout
+    assert (tmp_path / "runs" / "my-loop" / "checkpoints" / "step_00000010" / "manifest.json").exists()
+    assert "[Gloo]" not in proc.stdout + proc.stderr
+
+
+TRAIN = """
+import json, os
+import portable_fsdp as pf
+
+config = pf.get_config("llama_tiny:test", {"train.steps": 4, "train.log_every": 2})
+results = {}
+for nproc in (1, 2):
+    summary = pf.train(config, backend="cpu", workdir=f"w{nproc}", nproc=nproc)
+    results[nproc] = {"summary": summary, "env_left": "WORLD_SIZE" in os.environ}
+try:
+    pf.train(pf.get_config("llama_tiny:test"), workdir="w1")  # holds checkpoints: refused, as by the command
+except pf.api.UserError as err:
+    results["refused"] = err.field
+print(json.dumps(results))
+"""
+
+
+def test_train_returns_the_summary(tmp_path):
+    proc = python(TRAIN, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for nproc in ("1", "2"):
+        summary = results[nproc]["summary"]
+        assert summary["backend"] == f"cpu, {nproc} rank(s)"
+        assert summary["steps"].startswith("0 -> 4 in ")
+        assert summary["checkpoint"] == f"w{nproc}/checkpoints/step_00000004"
+        assert "eval_loss" in summary and "loss" in summary
+        assert not results[nproc]["env_left"]  # an in-process run leaves the environment as it found it
+    assert results["refused"] == "--workdir"
