@@ -69,10 +69,7 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple,
         fully_shard(unit, **kwargs)
     # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if plan.reshard_after_forward else False})
-    if device_type != "cpu" and plan.cpu_collectives != "auto":
-        warnings.warn(f"plan.cpu_collectives has no effect on {device_type}: FSDP uses its device's collectives",
-                      stacklevel=2)
-    elif device_type == "cpu" and mesh.size() > 1 and plan.cpu_collectives == "auto":
+    if device_type == "cpu" and mesh.size() > 1 and plan.cpu_collectives == "auto":
         use_cpu_collectives([*units, model], mesh.get_group())
 
 

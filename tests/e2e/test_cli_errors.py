@@ -76,7 +76,7 @@ CASES = [
     (['--config.plan.param_dtype=fp8'],
      "error: plan.param_dtype: unknown dtype 'fp8'; choose one of float32, bfloat16, float16"),
     (['--config.plan.xla_fsdp_settings=[1]'],
-     'error: plan.xla_fsdp_settings: must be a JSON object such as {"compute_dtype": "bfloat16"}'),
+     'error: config.plan.xla_fsdp_settings: must be a JSON object such as {"compute_dtype": "bfloat16"}'),
     (['--config.train.batch_size=3'],
      'error: train.batch_size: 3 sequences do not split over 2 data-parallel ranks x 1 accumulation steps; make it a multiple of 2'),
     (['--config.train.grad_accum_steps=3'],
