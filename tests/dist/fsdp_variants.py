@@ -1,5 +1,6 @@
-"""Run under torchrun (gloo): train each named plan variant for N steps in one process group and write
-rank 0's per-step losses, the sharding it observed and a SHARDED checkpoint round-trip to JSON.
+"""Run under torchrun (gloo): train each named variant of the matrix (tests/parity/matrix.py) for N steps in one
+process group and write rank 0's per-step losses, the sharding it observed and a SHARDED checkpoint
+round-trip to JSON.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/fsdp_variants.py OUT.json STEPS V...
 """
@@ -12,51 +13,14 @@ import tempfile
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp import backends, config as config_lib
+from portable_fsdp import backends
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan
+from tests.parity.matrix import VARIANTS, make_config
 
 # 3 full eval batches of 8 and one with 3 real rows: ranks see different numbers of label tokens.
 EVAL_SEQUENCES = 27
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.py") + ":test"
-
-VARIANTS = {
-    "reshard_on": {},
-    "reshard_off": {"plan.reshard_after_forward": "false"},
-    "cpu_offload": {"plan.cpu_offload": "true"},
-    "activation_checkpointing": {"plan.activation_checkpointing": "true"},
-    "bf16": {"plan.param_dtype": "bfloat16"},
-    "size_based_wrap": {"plan.auto_wrap_policy": "SIZE_BASED_WRAP", "plan.min_num_params": "20000"},
-    "no_wrap": {"plan.auto_wrap_policy": "NO_WRAP"},
-    "batch8": {"train.batch_size": "8"},
-    "batch8_accum4": {"train.batch_size": "8", "train.grad_accum_steps": "4"},
-    "rank0_loading": {"plan.cpu_ram_efficient_loading": "true"},
-    "tied": {"model.tie_word_embeddings": "true"},
-    # Context parallelism: run with --nproc_per_node 2 (cp2_*) or 4 (fsdp2_cp2_*, cp4_*).
-    "cp2_allgather": {"plan.cp_size": "2"},
-    "cp2_alltoall": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
-    "fsdp2_cp2_allgather": {"plan.cp_size": "2"},
-    "fsdp2_cp2_alltoall": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
-    "fsdp2_cp2_alltoall_checkpointing": {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall",
-                                         "plan.activation_checkpointing": "true"},
-    "cp4_allgather": {"plan.cp_size": "4"},
-    "cp4_alltoall_contiguous": {"plan.cp_size": "4", "plan.cp_rotate_method": "alltoall",
-                                "plan.cp_load_balance": "false"},
-    "documents": {"data.document_masking": "true"},
-    "documents_cp2_allgather": {"data.document_masking": "true", "plan.cp_size": "2"},
-    "documents_cp2_alltoall": {"data.document_masking": "true", "plan.cp_size": "2", "plan.cp_rotate_method": "alltoall"},
-    "tied_rank0_loading": {"model.tie_word_embeddings": "true", "plan.cpu_ram_efficient_loading": "true"},
-}
-# The plain FSDP variants (2 ranks, no context parallelism): tests/dist/test_fsdp_parity.py.
-FSDP_VARIANTS = [name for name, overrides in VARIANTS.items() if "plan.cp_size" not in overrides]
-
-
-def make_config(overrides: dict):
-    config = config_lib.load_recipe(RECIPE)
-    for key, value in overrides.items():
-        config_lib.apply_override(config, key, value)
-    return config
 
 
 def local_fraction(model) -> float:
@@ -72,7 +36,7 @@ def local_fraction(model) -> float:
 
 
 def run_variant(name: str, steps: int, backend) -> dict:
-    config = make_config(VARIANTS[name])
+    config = make_config(VARIANTS[name].overrides)
     plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
     state = backend.init(config, plan, "cpu")
     where = backend.placement(state)
@@ -96,7 +60,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
               "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
               "sharded_after_eval": sharded_after_eval,
               "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
-    if name == "reshard_on":
+    if name == "base":
         result.update(sharded_round_trip(config, plan, backend, state, data, where))
     return result
 

@@ -11,21 +11,24 @@ import torch.nn.functional as F
 from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.sequence_split import shard_indices
-from tests.dist.fsdp_variants import EVAL_SEQUENCES, make_config
+from tests.dist.fsdp_variants import EVAL_SEQUENCES
 from tests.dist.launch import torchrun
+from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 
 HERE = os.path.dirname(__file__)
 STEPS = 20
-WORLD2 = ["cp2_allgather", "cp2_alltoall", "documents", "documents_cp2_allgather", "documents_cp2_alltoall"]
-WORLD4 = ["fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
-          "cp4_alltoall_contiguous"]
+# The context-parallel variants of the matrix the cpu lowering runs by default, on 2 and 4 ranks.
+CP_VARIANTS = [n for n in variants_for("cpu") if int(VARIANTS[n].overrides.get("plan.cp_size", 1)) > 1]
+WORLD2 = [n for n in CP_VARIANTS if VARIANTS[n].world == 2]
+WORLD4 = [n for n in CP_VARIANTS if VARIANTS[n].world == 4]
 EVAL_RTOL = 1e-6
 
 
 def mesh_of(name: str) -> tuple:
-    """(fsdp, cp) of a variant name."""
-    return (2, 2) if name.startswith("fsdp2_cp2") else (1, int(name[2]))
+    """(fsdp, cp) of a variant."""
+    cp = int(VARIANTS[name].overrides["plan.cp_size"])
+    return VARIANTS[name].world // cp, cp
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,7 @@ CP_RUNS = [n for n in WORLD2 + WORLD4 if not n.startswith("documents")]
 
 @pytest.mark.parametrize("name", WORLD2 + WORLD4)
 def test_training_losses_match_single_process(cp_results, name):
-    documents = name.startswith("documents")
-    reference = reference_losses(make_config({"data.document_masking": "true"} if documents else {}), STEPS)
+    reference = reference_losses(make_config(VARIANTS[name].reference_overrides), STEPS)
     assert max_relative_difference(cp_results[name]["losses"], reference) <= 1e-5
 
 

@@ -1,11 +1,13 @@
-"""FSDP2 on 2 gloo ranks vs the single-process, unsharded reference: 20 per-step losses per plan variant."""
+"""FSDP2 on gloo ranks vs the single-process, unsharded reference: 20 per-step losses per plan variant of the
+matrix (tests/parity/matrix.py) that the cpu lowering honours. The default suite runs the plain FSDP
+variants on 2 ranks (context parallelism: test_context_parallel.py); `slow` runs the rest."""
 import json
 import os
 
 import pytest
 
 from tests.dist.launch import torchrun
-from tests.dist.fsdp_variants import FSDP_VARIANTS, VARIANTS, make_config
+from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 
 STEPS = 20
@@ -13,13 +15,31 @@ FP32_RTOL = 1e-5
 # bf16 parameters in compute (fp32 master weights and reductions): the loss may move by less than one
 # bf16 rounding step, 2**-8 = 3.9e-3 relative. Measured here: 2.4e-4 after 20 steps.
 BF16_RTOL = 2.0**-8
+HERE = os.path.dirname(__file__)
+
+
+def without_cp(names: list) -> list:
+    return [n for n in names if "plan.cp_size" not in VARIANTS[n].overrides]
+
+
+FSDP_VARIANTS = without_cp(variants_for("cpu", world=2))
+SLOW_VARIANTS = without_cp(variants_for("cpu", slow=True))
+
+
+def run_variants(tmp_dir, names: list) -> dict:
+    """Every variant of `names` under torchrun, one process group per world size."""
+    results = {}
+    for world in sorted({VARIANTS[n].world for n in names}):
+        out = tmp_dir / f"results-{world}.json"
+        torchrun(world, os.path.join(HERE, "fsdp_variants.py"), str(out), str(STEPS),
+                 *[n for n in names if VARIANTS[n].world == world])
+        results.update(json.loads(out.read_text()))
+    return results
 
 
 @pytest.fixture(scope="module")
 def variant_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("variants") / "results.json"
-    torchrun(2, os.path.join(os.path.dirname(__file__), "fsdp_variants.py"), str(out), str(STEPS), *FSDP_VARIANTS)
-    return json.loads(out.read_text())
+    return run_variants(tmp_path_factory.mktemp("variants"), FSDP_VARIANTS)
 
 
 _references = {}
@@ -27,24 +47,30 @@ _references = {}
 
 def reference_for(name: str) -> list:
     """Reference runs depend only on the model and train fields of a variant, not on the plan."""
-    overrides = {k: v for k, v in VARIANTS[name].items() if not k.startswith("plan.")}
+    overrides = VARIANTS[name].reference_overrides
     key = json.dumps(overrides, sort_keys=True)
     if key not in _references:
         _references[key] = reference_losses(make_config(overrides), STEPS)
     return _references[key]
 
 
-@pytest.mark.parametrize("name", [n for n in FSDP_VARIANTS if n != "bf16"])
-def test_fp32_losses_match_single_process(variant_results, name):
-    losses = variant_results[name]["losses"]
+def check_losses(name: str, losses: list) -> None:
     assert len(losses) == STEPS
-    assert max_relative_difference(losses, reference_for(name)) <= FP32_RTOL
+    deviation = max_relative_difference(losses, reference_for(name))
+    if VARIANTS[name].bf16:
+        assert deviation <= BF16_RTOL
+        assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
+    else:
+        assert deviation <= FP32_RTOL
+
+
+@pytest.mark.parametrize("name", [n for n in FSDP_VARIANTS if not VARIANTS[n].bf16])
+def test_fp32_losses_match_single_process(variant_results, name):
+    check_losses(name, variant_results[name]["losses"])
 
 
 def test_bf16_mixed_precision_is_applied_and_close(variant_results):
-    deviation = max_relative_difference(variant_results["bf16"]["losses"], reference_for("bf16"))
-    assert deviation <= BF16_RTOL
-    assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
+    check_losses("bf16", variant_results["bf16"]["losses"])
 
 
 @pytest.mark.parametrize("name", FSDP_VARIANTS)
@@ -53,6 +79,11 @@ def test_parameters_are_sharded_over_both_ranks(variant_results, name):
     assert result["all_dtensor"]
     assert result["sharded_after_eval"]  # the root (and units kept gathered) reshard after an eval forward
     assert result["local_fraction"] == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("name", FSDP_VARIANTS)
+def test_batches_without_labels_are_predicted_alike(variant_results, name):
+    assert variant_results[name]["unlabeled_predictions_match"]
 
 
 def test_gradient_accumulation_matches_one_big_batch(variant_results):
@@ -66,7 +97,19 @@ def test_tied_embeddings_stay_tied_with_rank0_loading(variant_results):
 
 
 def test_sharded_checkpoint_reloads_into_fsdp2_with_identical_eval_loss(variant_results):
-    result = variant_results["reshard_on"]
+    result = variant_results["base"]
     assert result["sharded_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert result["fresh_eval"] != pytest.approx(result["sharded_eval_before"], rel=1e-3)  # the load matters
     assert result["sharded_eval_after"] == result["sharded_eval_before"]
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    return run_variants(tmp_path_factory.mktemp("slow"), SLOW_VARIANTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_VARIANTS)
+def test_the_rest_of_the_matrix_matches_single_process(slow_results, name):
+    check_losses(name, slow_results[name]["losses"])
+    assert slow_results[name]["local_fraction"] == pytest.approx(1 / VARIANTS[name].world, abs=0.01)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import TEST_RECIPE, cli, read_metrics
-from tests.dist.fsdp_variants import make_config
+from tests.parity.matrix import make_config
 from tests.parity.reference import max_relative_difference, reference_losses
 
 pytestmark = pytest.mark.gpu

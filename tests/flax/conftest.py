@@ -10,19 +10,15 @@ import pytest
 
 from portable_fsdp.backends.flax.devices import configure_host_devices
 
-HOST_DEVICES = 2
+HOST_DEVICES = 4  # the matrix's largest world (tests/parity/matrix.py)
 configure_host_devices(HOST_DEVICES)
 
 
 def make_config(overrides: dict | None = None):
     """configs/llama_tiny.py:test with `--config.KEY=VALUE` overrides."""
-    from portable_fsdp.config import apply_override, load_recipe
-    from tests.conftest import TEST_RECIPE
+    from tests.parity import matrix
 
-    config = load_recipe(TEST_RECIPE)
-    for key, value in (overrides or {}).items():
-        apply_override(config, key, str(value))
-    return config
+    return matrix.make_config(overrides or {})
 
 
 def init_state(config, world_size: int):

@@ -1,26 +1,12 @@
 """plan.cp_size on flax: the sequence axis split over `cp` devices. Losses, eval_loss and predictions are
 those of the unsplit model (the traps of transformers#48167 and #48842: eval_loss times cp_size,
-predictions with cp_size times the rows)."""
+predictions with cp_size times the rows). The losses under cp: the matrix's cp variants, tests/flax/test_parity.py."""
 import numpy as np
 import pytest
 
-from tests.flax.conftest import flax_losses, init_state, make_config, needs_devices
-from tests.flax.test_parity import FP32_RTOL, STEPS, reference_for
-from tests.parity.reference import max_relative_difference
+from tests.flax.conftest import init_state, make_config, needs_devices
 
 pytestmark = needs_devices(2)
-
-
-def test_cp2_losses_match_the_torch_reference():
-    losses = flax_losses(make_config({"plan.cp_size": 2}), 2, STEPS)
-    assert max_relative_difference(losses, reference_for({})) <= FP32_RTOL
-
-
-@pytest.mark.slow
-def test_cp2_with_packed_documents_matches_the_torch_reference():
-    overrides = {"plan.cp_size": 2, "data.document_masking": True}
-    losses = flax_losses(make_config(overrides), 2, STEPS)
-    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
 
 
 def test_eval_loss_and_predictions_do_not_depend_on_cp():

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tests.flax.conftest import flax_losses, make_config, needs_devices, torch_threads
+from tests.parity.matrix import VARIANTS, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 
 STEPS = 20
@@ -33,42 +34,34 @@ def test_fp32_losses_match_the_torch_reference(devices):
     assert max_relative_difference(losses, reference_for({})) <= FP32_RTOL
 
 
-@needs_devices(2)
-def test_gradient_accumulation_is_one_big_batch():
-    """4 micro-batches of 2 rows on 2 devices = the reference's one batch of 8: the loss is divided once,
-    by the label tokens of the whole accumulated batch."""
-    overrides = {"train.batch_size": 8, "train.grad_accum_steps": 4}
-    losses = flax_losses(make_config(overrides), 2, STEPS)
-    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
+# The matrix's variants the flax lowering honours (tests/parity/matrix.py); `base` is the test above.
+DEFAULT_VARIANTS = [n for n in variants_for("flax") if n != "base"]
+SLOW_VARIANTS = variants_for("flax", slow=True)
 
 
-@needs_devices(2)
-def test_activation_checkpointing_keeps_the_losses():
-    overrides = {"plan.activation_checkpointing": True}
-    losses = flax_losses(make_config(overrides), 2, STEPS)
-    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
+def check_variant(name: str) -> None:
+    import jax
+
+    variant = VARIANTS[name]
+    if len(jax.devices()) < variant.world:
+        pytest.skip(f"jax was initialised with fewer than {variant.world} devices")
+    losses = flax_losses(make_config(variant.overrides), variant.world, STEPS)
+    deviation = max_relative_difference(losses, reference_for(variant.overrides))
+    if variant.bf16:
+        assert deviation <= BF16_RTOL
+        assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
+    else:
+        assert deviation <= FP32_RTOL
 
 
-@pytest.mark.slow
-@needs_devices(2)
-def test_tied_embeddings_match_the_torch_reference():
-    overrides = {"model.tie_word_embeddings": True}
-    losses = flax_losses(make_config(overrides), 2, STEPS)
-    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
-
-
-@pytest.mark.slow
-@needs_devices(2)
-def test_bf16_mixed_precision_is_applied_and_close():
-    overrides = {"plan.param_dtype": "bfloat16"}
-    deviation = max_relative_difference(flax_losses(make_config(overrides), 2, STEPS), reference_for(overrides))
-    assert deviation <= BF16_RTOL
-    assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
+@pytest.mark.parametrize("name", DEFAULT_VARIANTS)
+def test_plan_variants_match_the_torch_reference(name):
+    """E.g. batch8_accum4: 4 micro-batches of 2 rows = the reference's one batch of 8 (the loss is divided
+    once, by the label tokens of the whole accumulated batch)."""
+    check_variant(name)
 
 
 @pytest.mark.slow
-@needs_devices(2)
-def test_packed_document_masking_matches_the_torch_reference():
-    overrides = {"data.document_masking": True}
-    losses = flax_losses(make_config(overrides), 2, STEPS)
-    assert max_relative_difference(losses, reference_for(overrides)) <= FP32_RTOL
+@pytest.mark.parametrize("name", SLOW_VARIANTS)
+def test_the_rest_of_the_matrix_matches_the_torch_reference(name):
+    check_variant(name)

@@ -2,9 +2,7 @@
 import re
 
 import numpy as np
-import pytest
 
-from portable_fsdp.errors import UserError
 from tests.flax.conftest import init_state, make_config, needs_devices
 
 

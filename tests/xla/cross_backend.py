@@ -48,7 +48,7 @@ def main() -> None:
     from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
     from portable_fsdp.evaluation import evaluate
     from portable_fsdp.validate import resolve_plan
-    from tests.dist.fsdp_variants import make_config
+    from tests.parity.matrix import make_config
 
     config = make_config({})
     backend = backends.load(args.backend)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.dist.fsdp_variants import make_config
+from tests.parity.matrix import make_config
 from tests.parity.reference import max_relative_difference, reference_losses
 from tests.xla.helpers import run_script
 

@@ -3,7 +3,7 @@ single-process torch reference. One device only: multi-process PJRT CPU collecti
 (the multi-process path is the TPU one, see test_tpu.py)."""
 import pytest
 
-from tests.dist.fsdp_variants import make_config
+from tests.parity.matrix import make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 from tests.xla.helpers import variants
 
@@ -38,7 +38,7 @@ def test_v1_compiles_nothing_after_warmup(v1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["v1_checkpointing", "v1_settings"])
+@pytest.mark.parametrize("name", variants_for("xla", slow=True, world=1))
 def test_v1_variants_match_reference(tmp_path, reference, name):
     result = variants(tmp_path, 1, STEPS, [name])[name]
     assert max_relative_difference(result["losses"], reference) <= FP32_RTOL

@@ -1,26 +1,24 @@
 """SPMD FSDPv2 on 2 and 4 PJRT CPU devices against the single-process, unsharded torch reference:
 20 per-step losses (plain, with gradient checkpointing, and with sequences split: fsdp 2 x cp 2 on 4
 devices), real sharding of every parameter and input, a bounded number of compiled graphs, and a
-SHARDED_STATE_DICT save that resumes exactly. Slow: the other plan variants on 2 devices."""
+SHARDED_STATE_DICT save that resumes exactly. Slow: the rest of the matrix (tests/parity/matrix.py) that the
+xla lowering honours."""
 import re
 
 import pytest
 
-from tests.dist.fsdp_variants import make_config
+from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 from tests.xla.helpers import variants
 
 STEPS = 20
 FP32_RTOL = 1e-5
 WARMUP_STEPS = 2  # the first steps compile (checkpointed layers trace one more graph on the second)
-DEFAULT_VARIANTS = {2: ["base", "checkpointing"], 4: ["base", "checkpointing", "cp2"]}
+# The SPMD variants of the matrix the xla lowering runs by default, by device count (FSDP v1: test_fsdp_v1.py).
+DEFAULT_VARIANTS = {devices: variants_for("xla", world=devices) for devices in (2, 4)}
 CASES = [(devices, name) for devices, names in DEFAULT_VARIANTS.items() for name in names]
 CASE_IDS = [f"{name} on {devices}" for devices, name in CASES]
-SLOW_VARIANTS = {  # variant -> the reference's own overrides (the plan does not change the reference)
-    "hf_grad_ckpt": {}, "size_based_wrap": {}, "no_wrap": {}, "tied": {"model.tie_word_embeddings": "true"},
-    "batch8": {"train.batch_size": "8"}, "batch8_accum4": {"train.batch_size": "8"},
-    "documents": {"data.document_masking": "true"}, "cp2": {}, "cp2_documents": {"data.document_masking": "true"},
-}
+SLOW_VARIANTS = {devices: variants_for("xla", slow=True, world=devices) for devices in (2, 4)}
 # torch_xla's autocast (matmuls in bf16, fp32 master weights) moves the loss by less than a bf16 step.
 BF16_RTOL = 2.0**-8
 
@@ -38,9 +36,15 @@ def run_on(tmp_path_factory):
     return results
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return reference_losses(make_config({}), STEPS)
+_references: dict = {}
+
+
+def reference_for(name: str) -> list:
+    overrides = VARIANTS[name].reference_overrides
+    key = repr(sorted(overrides.items()))
+    if key not in _references:
+        _references[key] = reference_losses(make_config(overrides), STEPS)
+    return _references[key]
 
 
 def tile(spec: str) -> list:
@@ -50,10 +54,10 @@ def tile(spec: str) -> list:
 
 
 @pytest.mark.parametrize("devices,name", CASES, ids=CASE_IDS)
-def test_losses_match_single_process_reference(run_on, reference, devices, name):
+def test_losses_match_single_process_reference(run_on, devices, name):
     losses = run_on(devices)[name]["losses"]
     assert len(losses) == STEPS
-    assert max_relative_difference(losses, reference) <= FP32_RTOL
+    assert max_relative_difference(losses, reference_for(name)) <= FP32_RTOL
 
 
 @pytest.mark.parametrize("devices,name", CASES, ids=CASE_IDS)
@@ -69,16 +73,17 @@ def test_every_parameter_and_moment_is_sharded_over_all_devices(run_on, devices,
     assert len(per_device) == devices and max(per_device) <= 1.05 * min(per_device)
 
 
-@pytest.mark.parametrize("devices,name", [(2, "base"), (4, "base"), (4, "cp2")], ids=["2", "4", "4 cp2"])
+@pytest.mark.parametrize("devices,name", [(2, "base"), (4, "fsdp4"), (4, "fsdp2_cp2_allgather")],
+                         ids=["2", "4", "4 cp2"])
 def test_inputs_are_sharded_by_row_and_with_cp_by_position(run_on, devices, name):
-    cp = 2 if name == "cp2" else 1
+    cp = int(VARIANTS[name].overrides.get("plan.cp_size", 1))
     assert tile(run_on(devices)[name]["input_sharding"]) == [devices // cp, cp]
 
 
 def test_eval_loss_is_the_same_with_sequences_split(run_on):
     results = run_on(4)
-    assert results["cp2"]["initial_eval"]["eval_loss"] == pytest.approx(
-        results["base"]["initial_eval"]["eval_loss"], abs=1e-6)
+    assert results["fsdp2_cp2_allgather"]["initial_eval"]["eval_loss"] == pytest.approx(
+        results["fsdp4"]["initial_eval"]["eval_loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("devices,name", CASES, ids=CASE_IDS)
@@ -105,22 +110,22 @@ def test_sharded_checkpoint_reloads_and_resumes_exactly(run_on):
 
 @pytest.fixture(scope="module")
 def slow_results(tmp_path_factory):
-    return variants(tmp_path_factory.mktemp("slow"), 2, STEPS, [*SLOW_VARIANTS, "bf16"])
+    results = {}
+    for devices, names in SLOW_VARIANTS.items():
+        results.update(variants(tmp_path_factory.mktemp("slow"), devices, STEPS, names))
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SLOW_VARIANTS))
+@pytest.mark.parametrize("name", [n for names in SLOW_VARIANTS.values() for n in names])
 def test_plan_variants_match_reference(slow_results, name):
-    reference = reference_losses(make_config(SLOW_VARIANTS[name]), STEPS)
-    assert max_relative_difference(slow_results[name]["losses"], reference) <= FP32_RTOL
+    deviation = max_relative_difference(slow_results[name]["losses"], reference_for(name))
+    if VARIANTS[name].bf16:  # torch_xla's autocast is applied, and close
+        assert 1e-6 < deviation <= BF16_RTOL
+    else:
+        assert deviation <= FP32_RTOL
 
 
 @pytest.mark.slow
 def test_tied_embeddings_stay_tied(slow_results):
     assert slow_results["tied"]["tied"]
-
-
-@pytest.mark.slow
-def test_bf16_autocast_is_applied_and_close(slow_results):
-    deviation = max_relative_difference(slow_results["bf16"]["losses"], reference_losses(make_config({}), STEPS))
-    assert 1e-6 < deviation <= BF16_RTOL

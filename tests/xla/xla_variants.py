@@ -1,4 +1,5 @@
-"""Train named plan variants with the xla backend in one process and write what the tests check to JSON.
+"""Train named variants of the matrix (tests/parity/matrix.py) with the xla backend in one process and write
+what the tests check to JSON.
 
     python tests/xla/xla_variants.py OUT.json DEVICES STEPS VARIANT...
 
@@ -29,26 +30,8 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batch
 from portable_fsdp.evaluation import evaluate  # noqa: E402
 from portable_fsdp.plan import StateDictType  # noqa: E402
 from portable_fsdp.validate import resolve_plan  # noqa: E402
-from tests.dist.fsdp_variants import make_config  # noqa: E402
+from tests.parity.matrix import VARIANTS, make_config  # noqa: E402
 
-VARIANTS = {
-    "base": {},
-    "checkpointing": {"plan.activation_checkpointing": "true"},
-    "hf_grad_ckpt": {"plan.xla_fsdp_grad_ckpt": "true"},
-    "size_based_wrap": {"plan.auto_wrap_policy": "SIZE_BASED_WRAP", "plan.min_num_params": "20000"},
-    "no_wrap": {"plan.auto_wrap_policy": "NO_WRAP"},
-    "batch8": {"train.batch_size": "8"},
-    "batch8_accum4": {"train.batch_size": "8", "train.grad_accum_steps": "4"},
-    "tied": {"model.tie_word_embeddings": "true"},
-    "documents": {"data.document_masking": "true"},
-    "bf16": {"plan.param_dtype": "bfloat16", "model.attn_implementation": "eager"},
-    "cp2": {"plan.cp_size": "2"},
-    "cp2_documents": {"plan.cp_size": "2", "data.document_masking": "true"},
-    "v1": {"plan.xla_fsdp_v2": "false"},
-    "v1_checkpointing": {"plan.xla_fsdp_v2": "false", "plan.activation_checkpointing": "true"},
-    "v1_settings": {"plan.xla_fsdp_v2": "false",
-                    "plan.xla_fsdp_settings": '{"shard_param_on_dim_0": true, "pin_layout_in_collective_ops": false}'},
-}
 EVAL_BATCHES = 4
 
 
@@ -77,7 +60,7 @@ def input_sharding(state, batch) -> str:
 def run_variant(name: str, steps: int, backend) -> dict:
     from portable_fsdp.backends.xla import runtime as rt
 
-    config = make_config(VARIANTS[name])
+    config = make_config(VARIANTS[name].overrides)
     world = DEVICES if config.plan.xla_fsdp_v2 else 1
     plan = resolve_plan(config, world)
     state = backend.init(config, plan, "xla")
@@ -151,7 +134,7 @@ def _v1_entry(index: int, out: str, steps: int, names: list) -> None:
 
 if __name__ == "__main__":
     out_file, n_steps, variant_names = sys.argv[1], int(sys.argv[3]), sys.argv[4:]
-    if all(VARIANTS[n].get("plan.xla_fsdp_v2") == "false" for n in variant_names):
+    if all(VARIANTS[n].overrides.get("plan.xla_fsdp_v2") == "false" for n in variant_names):
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         xmp.spawn(_v1_entry, args=(out_file, n_steps, variant_names), nprocs=1)
