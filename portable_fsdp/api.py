@@ -3,7 +3,7 @@
     import portable_fsdp as pf
 
     config = pf.get_config("llama_tiny:test", {"train.steps": 5})
-    plan = pf.plan_for(config)                 # world size: 1 here, torchrun's under torchrun
+    plan = pf.plan_for(config, backend="cpu")  # world size: 1 here, torchrun's under torchrun
     backend = pf.load_backend("cpu")           # a `portable_fsdp.backend.Backend`
     state = backend.init(config, plan, "cpu")
     data = pf.Batches(config, backend, state)
@@ -27,7 +27,7 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batch
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.validate import check_backend, resolve_plan
 
 __all__ = ["get_config", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
 
@@ -55,9 +55,28 @@ def get_config(recipe: str | None = None, overrides: dict | None = None):
     return config
 
 
-def plan_for(config, world_size: int | None = None) -> ShardingPlan:
-    """The validated sharding plan, its mesh sized for `world_size` (default: WORLD_SIZE, else 1)."""
-    return resolve_plan(config, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+def plan_for(config, world_size: int | None = None, backend: str | None = None) -> ShardingPlan:
+    """The validated sharding plan, its mesh sized for `world_size` (default: WORLD_SIZE, else 1). With
+    `backend`, also what the command checks before it starts one: a setting that backend refuses is a
+    UserError naming the fix, one it ignores a warning (portable_fsdp/capabilities.py)."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    plan = resolve_plan(config, world)
+    if backend is not None:
+        check_backend(config, plan, backend, _device_type(backend), world)
+    return plan
+
+
+def _device_type(backend: str) -> str:
+    """The device type a backend will run on in this process (xla: the PJRT device; flax: the JAX platform)."""
+    if backend == "xla":
+        from portable_fsdp.backends.xla.environment import device_type
+
+        return device_type()
+    if backend == "flax":
+        from portable_fsdp.backends.flax.devices import platform
+
+        return platform()
+    return backend
 
 
 def load_backend(name: str = "cpu"):

@@ -115,3 +115,13 @@ def test_readme_plan_table_lists_every_plan_field_and_links_the_capabilities():
     for field in base_config().plan:
         assert f"plan.{field}" in table, f"README's plan table does not list plan.{field}"
     assert "docs/capabilities.md" in readme
+
+
+def test_the_python_api_checks_the_backend_as_the_command_does():
+    from portable_fsdp import api
+
+    config = api.get_config(TEST_RECIPE, {"plan.state_dict_type": "SHARDED_STATE_DICT"})
+    with user_error("plan.state_dict_type", "use FULL_STATE_DICT"):
+        api.plan_for(config, 2, backend="flax")
+    assert api.plan_for(config, 2, backend="cpu").mesh.fsdp_size == 2
+    assert api.plan_for(config, 2).mesh.fsdp_size == 2  # without a backend: the backend-free checks only
