@@ -115,19 +115,24 @@ def save(backend, state, workdir, config, plan: ShardingPlan, backend_name: str 
     atomically, `latest` pointing at it. `backend_name`: the name the backend was loaded as (default: the module's
     first name, e.g. cpu for the torch lowering). Returns the checkpoint's directory."""
     where = backend.placement(state)
-    name = backend_name or next(n for n, module in backends.BACKENDS.items() if module == backend.__name__)
-    info = loop._manifest_info(config, plan, name, where)
+    info = loop._manifest_info(config, plan, _name_of(backend, backend_name), where)
     return loop.save(backend, state, pathlib.Path(workdir), info, keep_last_n, where.rank == 0)
 
 
-def load(backend, state, path, config):
+def _name_of(backend, backend_name: str | None) -> str:
+    """The name the backend module was loaded as (default: its first name, e.g. cpu for the torch lowering)."""
+    return backend_name or next(n for n, module in backends.BACKENDS.items() if module == backend.__name__)
+
+
+def load(backend, state, path, config, backend_name: str | None = None):
     """`state` restored from a checkpoint directory, or from the newest checkpoint of a workdir (checksums
-    verified, the model checked to match `config`). Consumes `state`: use the one returned."""
+    verified, the model checked to match `config`, a SHARDED checkpoint to be readable by this backend).
+    Consumes `state`: use the one returned."""
     path = pathlib.Path(path)
     checkpoint = path if (path / checkpointing.MANIFEST).exists() else checkpointing.latest(path)
     if checkpoint is None:
         raise UserError("load", f"{path} is neither a checkpoint nor a workdir with one")
-    return loop._resume(backend, state, checkpoint, config)
+    return loop._resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
 
 
 def train(config, backend: str = "cpu", workdir=None, nproc: int | None = 1) -> dict | None:

@@ -4,6 +4,14 @@
 <workdir>/checkpoints/latest          the name of the newest complete one
 A save writes into `.tmp-step_…`, fsyncs, writes the manifest with checksums, then renames:
 a crash at any moment leaves the previous checkpoint and `latest` untouched.
+
+Inside a checkpoint, the same on every backend:
+  model.safetensors + config.json    FULL_STATE_DICT: what `from_pretrained` loads (transformers names)
+  optimizer.pt                       FULL_STATE_DICT: torch's full optimizer state dict, keyed by name
+  sharded/                           SHARDED_STATE_DICT: the writing backend's own per-rank files
+  rng/rank_XXXXX.pt                  each rank's RNG states (backends that draw random numbers)
+A FULL checkpoint resumes on every backend at any world size; a SHARDED one on the backends that read the
+format it was written in (`SHARDED_FORMATS`).
 """
 from __future__ import annotations
 
@@ -17,6 +25,26 @@ from portable_fsdp import faults
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.pt"
+SHARDED = "sharded"
+# --backend -> the format of its SHARDED_STATE_DICT files: a sharded checkpoint resumes where the format is read.
+SHARDED_FORMATS = {"cpu": "torch.distributed.checkpoint", "cuda": "torch.distributed.checkpoint",
+                   "xla": "torch_xla shard files"}
+
+
+def rng_file(checkpoint: pathlib.Path, rank: int) -> pathlib.Path:
+    return pathlib.Path(checkpoint) / "rng" / f"rank_{rank:05d}.pt"
+
+
+def stored_layout(checkpoint: pathlib.Path) -> str:
+    """FULL_STATE_DICT or SHARDED_STATE_DICT, from what the directory holds."""
+    checkpoint = pathlib.Path(checkpoint)
+    if (checkpoint / WEIGHTS).exists() or any(checkpoint.glob("*.safetensors")):  # save_pretrained may split
+        return "FULL_STATE_DICT"
+    if (checkpoint / SHARDED).is_dir():
+        return "SHARDED_STATE_DICT"
+    raise UserError("train.resume", f"{checkpoint} holds neither {WEIGHTS} nor {SHARDED}/; it is not a checkpoint")
 
 
 def root(workdir: pathlib.Path) -> pathlib.Path:
@@ -153,14 +181,22 @@ MODEL_FIELDS_THAT_SHAPE_WEIGHTS = ("vocab_size", "hidden_size", "intermediate_si
                                    "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "init_from")
 
 
-def check_compatible(manifest: dict, config) -> None:
-    """A checkpoint loads under another plan or world size (that is resharding), not into another model."""
+def check_compatible(manifest: dict, config, backend_name: str) -> None:
+    """A checkpoint loads under another plan or world size (that is resharding), not into another model; a
+    SHARDED one only on a backend that reads its format."""
     saved = manifest.get("config", {}).get("model", {})
     differing = [f"model.{name} {saved[name]!r} -> {config.model[name]!r}"
                  for name in MODEL_FIELDS_THAT_SHAPE_WEIGHTS if name in saved and saved[name] != config.model[name]]
     if differing:
         raise UserError("train.resume", (f"the checkpoint was written for another model ({'; '.join(differing)}); "
                                          "use the model config it was trained with, or a new --workdir"))
+    written_by = manifest.get("backend")
+    if (manifest.get("state_dict_type") == "SHARDED_STATE_DICT"
+            and SHARDED_FORMATS.get(written_by) != SHARDED_FORMATS.get(backend_name)):
+        raise UserError("train.resume", (
+            f"the checkpoint is a SHARDED_STATE_DICT of --backend {written_by}, which --backend {backend_name} "
+            f"cannot read; resume it with --backend {written_by}, or save with plan.state_dict_type="
+            "FULL_STATE_DICT, which every backend loads"))
 
 
 def restores_rng(manifest: dict, backend_name: str, world_size: int) -> bool:

@@ -28,11 +28,11 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
     info = backend.describe_model(config)
     plan.wrap_classes(info.no_split_modules, info.class_names)
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
-    prepare_workdir(workdir, config)
+    prepare_workdir(workdir, config, backend_name)
     return plan
 
 
-def prepare_workdir(workdir: pathlib.Path, config) -> None:
+def prepare_workdir(workdir: pathlib.Path, config, backend_name: str) -> None:
     resume = config.train.resume
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def prepare_workdir(workdir: pathlib.Path, config) -> None:
         raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
                                       "continue from them, or choose a new --workdir"))
     if resume and checkpointing.latest(workdir):
-        checkpointing.check_compatible(checkpointing.verify(checkpointing.latest(workdir)), config)
+        checkpointing.check_compatible(checkpointing.verify(checkpointing.latest(workdir)), config, backend_name)
 
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> dict | None:

@@ -59,7 +59,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     metrics_fn = resolve_metrics(t.compute_metrics)
     manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
-        state = _resume(backend, state, checkpointing.latest(workdir), config)
+        state = _resume(backend, state, checkpointing.latest(workdir), config, backend_name)
     start = state.step
     log = MetricsLog(workdir, is_main)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
@@ -121,7 +121,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     progress.close()
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
-        state = _resume(backend, state, checkpointing.best(workdir), config)
+        state = _resume(backend, state, checkpointing.best(workdir), config, backend_name)
     if step_times:
         # against typical steps: the first one (lazy initialisation, first allocations) is no yardstick
         typical = statistics.median(step_times) * len(step_times)
@@ -141,9 +141,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     return result
 
 
-def _resume(backend, state, path: pathlib.Path, config):
+def _resume(backend, state, path: pathlib.Path, config, backend_name: str):
     manifest = checkpointing.verify(path)
-    checkpointing.check_compatible(manifest, config)
+    checkpointing.check_compatible(manifest, config, backend_name)
     return backend.load_checkpoint(state, path, manifest)
 
 

@@ -16,34 +16,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib
+from portable_fsdp import checkpointing
 from portable_fsdp.backends.flax.step import TrainState, place
-from portable_fsdp.errors import UserError
 
-OPTIMIZER_FILE = "optimizer.pt"
 
 
 def save_checkpoint(state: TrainState, directory: pathlib.Path) -> None:
     directory = pathlib.Path(directory)
     arch = state.ctx.model_def.arch
-    convert.write_safetensors(_to_host(state.params), arch, directory / "model.safetensors")
+    convert.write_safetensors(_to_host(state.params), arch, directory / checkpointing.WEIGHTS)
     _write_hf_config(state.ctx.hf_config, directory)
     import torch
 
-    torch.save(_torch_optimizer_state(state), directory / OPTIMIZER_FILE)
+    torch.save(_torch_optimizer_state(state), directory / checkpointing.OPTIMIZER)
 
 
 def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
     """Weights (and AdamW's state when present) of a FULL checkpoint, at any device count."""
     directory = pathlib.Path(directory)
-    if not (directory / "model.safetensors").exists() and not list(directory.glob("*.safetensors")):
-        raise UserError("train.resume", (
-            f"{directory} holds no model.safetensors; the flax backend resumes FULL_STATE_DICT checkpoints"))
+    checkpointing.stored_layout(directory)  # SHARDED ones are refused before (checkpointing.check_compatible)
     ctx = state.ctx
     host = convert.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
     params = place(host, ctx.param_sharding)
     opt_state = state.opt_state
-    if (directory / OPTIMIZER_FILE).exists():
-        opt_state = _load_torch_optimizer_state(state, directory / OPTIMIZER_FILE)
+    if (directory / checkpointing.OPTIMIZER).exists():
+        opt_state = _load_torch_optimizer_state(state, directory / checkpointing.OPTIMIZER)
     return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
 
 

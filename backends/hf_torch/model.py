@@ -6,8 +6,9 @@ import pathlib
 
 import torch
 
-from portable_fsdp.errors import UserError
+from portable_fsdp import checkpointing
 from portable_fsdp.backend import ModelInfo
+from portable_fsdp.errors import UserError
 
 
 def hf_config(model_cfg):
@@ -15,7 +16,7 @@ def hf_config(model_cfg):
 
     if model_cfg.init_from:
         directory = pathlib.Path(model_cfg.init_from)
-        if (directory / "sharded").is_dir() and not any(directory.glob("*.safetensors")):
+        if (directory / checkpointing.SHARDED).is_dir() and not any(directory.glob("*.safetensors")):
             raise UserError("model.init_from", (
                 f"{directory} is a SHARDED_STATE_DICT checkpoint, which loads only into FSDP (resume it with "
                 f"train.resume) — convert it first: python -m portable_fsdp.convert {directory} OUT_DIR"))

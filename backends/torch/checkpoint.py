@@ -18,7 +18,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp import checkpointing
-from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -33,28 +32,26 @@ def save_checkpoint(state, directory: pathlib.Path) -> None:
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)
         if rank == 0:
             state.model.save_pretrained(directory, state_dict=model_sd, safe_serialization=True)
-            torch.save(optim_sd, directory / "optimizer.pt")
+            torch.save(optim_sd, directory / checkpointing.OPTIMIZER)
     else:
         dcp.save({"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)},
-                 checkpoint_id=str(directory / "sharded"))
+                 checkpoint_id=str(directory / checkpointing.SHARDED))
         if rank == 0:
             state.model.config.save_pretrained(directory)
-    (directory / "rng").mkdir(exist_ok=True)
+    rng_file = checkpointing.rng_file(directory, rank)
+    rng_file.parent.mkdir(exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None},
-               directory / "rng" / f"rank_{rank:05d}.pt")
+                "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None}, rng_file)
 
 
 def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
     """Restore weights, optimizer state, step and RNG; FULL checkpoints load at any world size."""
     directory = pathlib.Path(directory)
-    if (directory / "model.safetensors").exists():
+    if checkpointing.stored_layout(directory) == "FULL_STATE_DICT":
         _load_full(state, directory)
-    elif (directory / "sharded").is_dir():
-        _load_sharded(state, directory)
     else:
-        raise UserError("train.resume", f"{directory} holds neither model.safetensors nor sharded/; it is not a checkpoint")
-    rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        _load_sharded(state, directory)
+    rng_file = checkpointing.rng_file(directory, dist.get_rank())
     backend_name = state.ctx.runtime.device.type  # cpu or cuda: the name the run was started with
     if rng_file.exists() and checkpointing.restores_rng(manifest, backend_name, dist.get_world_size()):
         rng = torch.load(rng_file, weights_only=False)
@@ -69,9 +66,9 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
 def _load_full(state, directory: pathlib.Path) -> None:
     from safetensors.torch import load_file
 
-    weights = full_state_dict_with_ties(state.model, load_file(directory / "model.safetensors"))
+    weights = full_state_dict_with_ties(state.model, load_file(directory / checkpointing.WEIGHTS))
     set_model_state_dict(state.model, weights, options=StateDictOptions(full_state_dict=True))
-    optim_file = directory / "optimizer.pt"
+    optim_file = directory / checkpointing.OPTIMIZER
     if optim_file.exists():
         optim_sd = torch.load(optim_file, weights_only=False)
         set_optimizer_state_dict(state.model, state.optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
@@ -81,6 +78,6 @@ def _load_sharded(state, directory: pathlib.Path) -> None:
     model_sd = get_model_state_dict(state.model)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
     bundle = {"model": model_sd, "optim": optim_sd}
-    dcp.load(bundle, checkpoint_id=str(directory / "sharded"))
+    dcp.load(bundle, checkpoint_id=str(directory / checkpointing.SHARDED))
     set_model_state_dict(state.model, bundle["model"])
     set_optimizer_state_dict(state.model, state.optimizer, bundle["optim"])

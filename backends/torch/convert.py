@@ -19,22 +19,24 @@ def sharded_to_full(source: pathlib.Path, target: pathlib.Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source, target = pathlib.Path(source), pathlib.Path(target)
-    if not (source / "sharded").is_dir():
-        raise UserError("source", f"{source} holds no sharded/ directory; is it a SHARDED_STATE_DICT checkpoint?")
+    if not (source / checkpointing.SHARDED).is_dir():
+        raise UserError("source", f"{source} holds no {checkpointing.SHARDED}/ directory; is it a SHARDED_STATE_DICT "
+                        "checkpoint?")
     if target.exists():
         raise UserError("target", f"{target} exists; give a new directory (nothing is overwritten)")
     manifest = checkpointing.verify(source)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            dcp_to_torch_save(source / "sharded", pathlib.Path(scratch) / "full.pt")
+            dcp_to_torch_save(source / checkpointing.SHARDED, pathlib.Path(scratch) / "full.pt")
             bundle = torch.load(pathlib.Path(scratch) / "full.pt", weights_only=False)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
         model.load_state_dict(full_state_dict_with_ties(model, dict(bundle["model"])), strict=True)
         model.save_pretrained(staging, safe_serialization=True)
-        torch.save(bundle["optim"], staging / "optimizer.pt")
-        if (source / "rng").is_dir():
-            shutil.copytree(source / "rng", staging / "rng")
+        torch.save(bundle["optim"], staging / checkpointing.OPTIMIZER)
+        rng = checkpointing.rng_file(source, 0).parent
+        if rng.is_dir():
+            shutil.copytree(rng, staging / rng.name)
         info = {k: v for k, v in manifest.items() if k != "files"}
         info["state_dict_type"] = "FULL_STATE_DICT"
         info["converted_from"] = str(source)

@@ -36,31 +36,24 @@ def save_checkpoint(state, directory: pathlib.Path) -> None:
         optimizer = _full_optimizer_state(state)
         if is_main:
             ctx.hf_model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
-            torch.save(optimizer, directory / "optimizer.pt")
+            torch.save(optimizer, directory / checkpointing.OPTIMIZER)
     else:
-        _save_sharded(state, directory / "sharded")
+        _save_sharded(state, directory / checkpointing.SHARDED)
         if is_main:
             ctx.hf_model.config.save_pretrained(directory)
-    (directory / "rng").mkdir(exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()},
-               directory / "rng" / f"rank_{ctx.runtime.rank:05d}.pt")
+    rng_file = checkpointing.rng_file(directory, ctx.runtime.rank)
+    rng_file.parent.mkdir(exist_ok=True)
+    torch.save({"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()}, rng_file)
 
 
 def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
     """Restore weights, optimizer state, step and RNG; FULL checkpoints load at any device count and from
-    any backend."""
+    any backend (which SHARDED ones load where: checkpointing.check_compatible, before this)."""
     directory = pathlib.Path(directory)
-    if (directory / "model.safetensors").exists():
+    if checkpointing.stored_layout(directory) == "FULL_STATE_DICT":
         _load_full(state, directory)
-    elif (directory / "sharded").is_dir():
-        if manifest.get("backend") != "xla":
-            raise UserError("train.resume", (
-                f"{directory} is a SHARDED_STATE_DICT checkpoint of --backend {manifest.get('backend')}; sharded "
-                "checkpoints resume on the backend that wrote them: resume there, or save with "
-                "plan.state_dict_type=FULL_STATE_DICT, which every backend loads"))
-        _load_sharded(state, directory / "sharded")
     else:
-        raise UserError("train.resume", f"{directory} holds neither model.safetensors nor sharded/; it is not a checkpoint")
+        _load_sharded(state, directory / checkpointing.SHARDED)
     _restore_rng(state, directory, manifest)
     rt.sync()
     return dataclasses.replace(state, step=manifest["step"])
@@ -85,14 +78,14 @@ def _load_full(state, directory: pathlib.Path) -> None:
     from safetensors.torch import load_file
 
     ctx = state.ctx
-    weights = full_state_dict_with_ties(ctx.hf_model, load_file(directory / "model.safetensors"))
+    weights = full_state_dict_with_ties(ctx.hf_model, load_file(directory / checkpointing.WEIGHTS))
     missing = [n.name for n in ctx.named if n.name not in weights]
     if missing:
-        raise UserError("train.resume", f"{directory}/model.safetensors lacks {', '.join(missing[:3])}: another model")
+        raise UserError("train.resume", f"{directory / checkpointing.WEIGHTS} lacks {', '.join(missing[:3])}: another model")
     with torch.no_grad():
         for n in ctx.named:
             n.param.data = full_state.place(ctx.runtime, n.param, weights[n.name])
-    optim_file = directory / "optimizer.pt"
+    optim_file = directory / checkpointing.OPTIMIZER
     if optim_file.exists():
         saved = torch.load(optim_file, weights_only=False)["state"]
         for n in ctx.named:
@@ -163,7 +156,7 @@ def _load_sharded(state, directory: pathlib.Path) -> None:
 
 def _restore_rng(state, directory: pathlib.Path, manifest: dict) -> None:
     rank = state.ctx.runtime.rank
-    rng_file = directory / "rng" / f"rank_{rank:05d}.pt"
+    rng_file = checkpointing.rng_file(directory, rank)
     if rng_file.exists() and checkpointing.restores_rng(manifest, "xla", state.ctx.runtime.world_size):
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["cpu"])

@@ -150,8 +150,41 @@ def test_check_compatible_refuses_another_model_shape():
     config = base_config()
     manifest = {"config": {"model": {**config.model.to_dict(), "hidden_size": 256}}}
     with user_error("train.resume", "model.hidden_size 256 -> 128"):
-        ckpt.check_compatible(manifest, config)
-    ckpt.check_compatible({"config": {"model": config.model.to_dict()}}, config)
+        ckpt.check_compatible(manifest, config, "cpu")
+    ckpt.check_compatible({"config": {"model": config.model.to_dict()}}, config, "cpu")
+
+
+@pytest.mark.parametrize("written_by, resumed_by, readable", [
+    ("cpu", "cuda", True), ("cuda", "cpu", True), ("xla", "xla", True),
+    ("cpu", "xla", False), ("xla", "cpu", False), ("xla", "flax", False), ("cpu", "flax", False),
+])
+def test_a_sharded_checkpoint_resumes_where_its_format_is_read(written_by, resumed_by, readable):
+    from portable_fsdp.config import base_config
+
+    config = base_config()
+    manifest = {"backend": written_by, "state_dict_type": "SHARDED_STATE_DICT",
+                "config": {"model": config.model.to_dict()}}
+    if readable:
+        ckpt.check_compatible(manifest, config, resumed_by)
+    else:
+        with user_error("train.resume", f"SHARDED_STATE_DICT of --backend {written_by}, which --backend "
+                                        f"{resumed_by} cannot read; resume it with --backend {written_by}"):
+            ckpt.check_compatible(manifest, config, resumed_by)
+    # FULL checkpoints resume everywhere
+    ckpt.check_compatible({**manifest, "state_dict_type": "FULL_STATE_DICT"}, config, resumed_by)
+
+
+def test_the_layout_is_read_from_the_directory(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / ckpt.WEIGHTS).write_bytes(b"")
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (tmp_path / "sharded" / ckpt.SHARDED).mkdir(parents=True)
+    assert ckpt.stored_layout(tmp_path / "full") == ckpt.stored_layout(tmp_path / "split") == "FULL_STATE_DICT"
+    assert ckpt.stored_layout(tmp_path / "sharded") == "SHARDED_STATE_DICT"
+    (tmp_path / "empty").mkdir()
+    with user_error("train.resume", "holds neither model.safetensors nor sharded/; it is not a checkpoint"):
+        ckpt.stored_layout(tmp_path / "empty")
 
 
 def test_latest_pointing_to_dir_without_manifest(tmp_path):
