@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 
 import numpy as np
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import model as model_lib
+from portable_fsdp.backends.hf_torch import matmul, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
@@ -279,13 +278,8 @@ def device_kind(state: TrainState) -> str:
 def time_matmul(state: TrainState, size: int, dtype: str) -> float:
     """Seconds of one size x size product on this rank's device (the primitive of portable_fsdp.hardware)."""
     device = state.ctx.runtime.device
-    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    (a @ b).sum().item()
-    return time.perf_counter() - start
+    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return matmul.time_matmul(device, size, dtype, wait)
 
 
 def model_info(state: TrainState) -> ModelInfo:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 
+from portable_fsdp.backends.hf_torch import matmul
 from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
@@ -235,13 +235,7 @@ def device_kind(state: TrainState) -> str:
 def time_matmul(state: TrainState, size: int, dtype: str) -> float:
     """Seconds of one size x size product on one device. Under SPMD the operands are replicated, so every
     device of the process runs its own copy at once, as portable_fsdp.hardware asks."""
-    runtime = state.ctx.runtime
-    a = torch.randn(size, size, dtype=getattr(torch, dtype)).to(runtime.device)
-    b = torch.randn(size, size, dtype=getattr(torch, dtype)).to(runtime.device)
-    xm.wait_device_ops()
-    start = time.perf_counter()
-    (a @ b).sum().item()
-    return time.perf_counter() - start
+    return matmul.time_matmul(state.ctx.runtime.device, size, dtype, xm.wait_device_ops)
 
 
 def model_info(state: TrainState) -> ModelInfo:
