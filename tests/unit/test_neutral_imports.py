@@ -1,7 +1,6 @@
 """The core package imports no framework at load: `--backend cpu` never pays for jax, `import portable_fsdp`
 in a notebook stays light, and unit tests stay fast. Every module of portable_fsdp/ is checked, none excepted;
 a module that needs a framework imports it inside the function that uses it."""
-import pathlib
 import subprocess
 import sys
 
