@@ -1,5 +1,6 @@
 """Start the workers: under torchrun, use its environment; otherwise torch's own elastic launcher
-starts `--nproc` local processes (one process runs in place). Validation happens here, before any
+starts `--nproc` local processes (one process runs in place), on one machine or — from an Accelerate YAML's
+num_machines — joining the other machines' launchers in one rendezvous. Validation happens here, before any
 worker starts, so a bad config costs seconds and prints one line."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import uuid
 
 from portable_fsdp import backends, checkpointing, worker
+from portable_fsdp.accelerate_launch import LaunchSettings
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import check_backend, resolve_plan
@@ -48,9 +50,12 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str) -> None:
         checkpointing.check_compatible(checkpointing.verify(checkpointing.latest(workdir)), config, backend_name)
 
 
-def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> dict | None:
-    """Validate, start the workers and train. Returns the run's summary (the dict `loop.run` returns; rank 0's
-    when this process launched several; None under torch_xla's own launcher, FSDP v1). A run that fails
+def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
+          nodes: LaunchSettings | None = None) -> dict | None:
+    """Validate, start the workers and train. `nproc`: this machine's workers; `nodes` (an Accelerate YAML's
+    launch keys): the machines they train with and where they meet, one machine when None. Returns the run's
+    summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
+    machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
     130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError."""
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
@@ -63,12 +68,13 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int) -> dict 
     if under_torchrun():  # every rank checks (cheap, deterministic) before any collective starts
         preflight(config, backend_name, int(os.environ["WORLD_SIZE"]), workdir)
         return worker.main(spec)
-    preflight(config, backend_name, nproc, workdir)
-    if nproc == 1:
+    nodes = nodes or LaunchSettings()
+    preflight(config, backend_name, nproc * nodes.num_machines, workdir)
+    if nproc == 1 and not nodes.multi_node:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port(nodes.main_process_port)))
         return worker.main(spec)
-    return _elastic_launch(spec, nproc)
+    return _elastic_launch(spec, nproc, nodes)
 
 
 def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> dict:
@@ -84,32 +90,48 @@ def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> dict:
     return worker.main(spec)
 
 
-def _rendezvous_port() -> int:
-    """The user's MASTER_PORT when set (checked to be free, so a clash is one clear line, not a hang),
-    else any free port."""
-    wanted = os.environ.get("MASTER_PORT")
+def _rendezvous_port(main_process_port: int | None = None) -> int:
+    """The Accelerate YAML's main_process_port, else the user's MASTER_PORT when set (checked to be free, so a
+    clash is one clear line, not a hang), else any free port."""
+    wanted = main_process_port or os.environ.get("MASTER_PORT")
+    name = "main_process_port" if main_process_port else "MASTER_PORT"
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", int(wanted) if wanted else 0))
         except ValueError:
-            raise UserError("MASTER_PORT", f"{wanted!r} is not a port number; unset it or give a free port") from None
+            raise UserError(name, f"{wanted!r} is not a port number; unset it or give a free port") from None
         except OSError:
-            raise UserError("MASTER_PORT", f"port {wanted} is already in use; unset MASTER_PORT to take a free "
-                            "port, or give another") from None
+            raise UserError(name, f"port {wanted} is already in use; unset {name} to take a free port, or give "
+                            "another") from None
         return s.getsockname()[1]
 
 
-def _elastic_launch(spec: dict, nproc: int) -> dict:
-    """Rank 0's summary (the launcher returns {rank: what worker.main returned}); SystemExit on a failure."""
+def _rendezvous(nodes: LaunchSettings) -> dict:
+    """LaunchConfig's rendezvous fields. One machine: c10d on 127.0.0.1. Several: every machine's launcher meets
+    at main_process_ip:main_process_port under one run id; `static` (Accelerate's default) makes machine_rank
+    the node rank and machine 0 host the store, `c10d` numbers the nodes as they join."""
+    if not nodes.multi_node:
+        return dict(min_nodes=1, max_nodes=1, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                    rdzv_endpoint=f"127.0.0.1:{_rendezvous_port(nodes.main_process_port)}")
+    if nodes.rdzv_backend == "static" and nodes.machine_rank == 0:
+        _rendezvous_port(nodes.main_process_port)  # machine 0 hosts the store: a clash is one line, not a hang
+    return dict(min_nodes=nodes.num_machines, max_nodes=nodes.num_machines, rdzv_backend=nodes.rdzv_backend,
+                run_id=f"portable_fsdp-{nodes.main_process_port}",
+                rdzv_endpoint=f"{nodes.main_process_ip}:{nodes.main_process_port}",
+                rdzv_configs={"rank": nodes.machine_rank} if nodes.rdzv_backend == "static" else {})
+
+
+def _elastic_launch(spec: dict, nproc: int, nodes: LaunchSettings) -> dict | None:
+    """Rank 0's summary (the launcher returns {global rank: what worker.main returned} for this machine's
+    workers: None on the other machines); SystemExit on a failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                                 rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_rendezvous_port()}",
-                                 max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    launch_config = LaunchConfig(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                                 **_rendezvous(nodes))
     try:
-        return elastic_launch(launch_config, worker.main)(spec)[0]
+        return elastic_launch(launch_config, worker.main)(spec).get(0)
     except ChildFailedError as err:
         raise SystemExit(_report_failure(err)) from None
     except SignalException as err:  # the launcher was signalled; the agent has already stopped every worker

@@ -9,8 +9,9 @@ import datetime
 import os
 import pathlib
 import sys
+import warnings
 
-from portable_fsdp import backends
+from portable_fsdp import accelerate_launch, backends
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file
@@ -74,6 +75,16 @@ def default_nproc(backend: str) -> int:
     return 2
 
 
+_python_format = warnings.formatwarning
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """An Accelerate key that is ignored is one `warning:` line (Python's format adds the source line)."""
+    if issubclass(category, accelerate_launch.IgnoredKey):
+        return f"warning: {message}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
 def main(argv=None) -> int:
     try:
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -82,16 +93,23 @@ def main(argv=None) -> int:
             apply_fsdp_file(config, args.fsdp_config)
         for key, value in overrides:
             apply_override(config, key, value)
-        backend = resolve_backend(args.backend)
+        if args.nproc is not None and args.nproc < 1:
+            raise UserError("--nproc", f"must be at least 1 (got {args.nproc})")
+        from portable_fsdp.launch import under_torchrun
+
+        warnings.formatwarning = format_warning
+        nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
+        backend = resolve_backend(nodes.backend)
         backends.load(backend)
-        nproc = args.nproc if args.nproc is not None else default_nproc(backend)
-        if nproc < 1:
-            raise UserError("--nproc", f"must be at least 1 (got {nproc})")
+        nproc = nodes.nproc if nodes.nproc is not None else default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
+        if nodes.multi_node and not args.workdir:
+            raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
+                                          "machine writes to (a shared disk): checkpoints hold every rank's files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp import launch
 
-        launch.start(config, backend, workdir, nproc)
+        launch.start(config, backend, workdir, nproc, nodes)
         return 0
     except UserError as err:
         print(err.line(), file=sys.stderr)

@@ -1,0 +1,112 @@
+"""`--fsdp_config accelerate.yaml` as `accelerate launch` users mean it: num_processes starts that many workers,
+num_machines > 1 joins one rendezvous (two launchers on this machine stand for two machines), refusals are one
+`error:` line with nothing written, ignored keys one `warning:` line each."""
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import ROOT, free_port, run_python
+from portable_fsdp import run
+from tests.conftest import TEST_RECIPE
+from tests.unit.test_accelerate_launch import ACCELERATE_FSDP2, write
+
+ARGS = ["-m", "portable_fsdp.run", "--config", TEST_RECIPE, "--config.train.steps=6", "--config.train.log_every=1",
+        "--config.train.progress_bar=false"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def records(workdir):
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(workdir) if "loss" in r]
+
+
+def files(workdir):
+    return sorted(str(p.relative_to(workdir)) for p in pathlib.Path(workdir).rglob("*"))
+
+
+def test_num_processes_from_the_verbatim_file(tmp_path):
+    # The file as `accelerate config` writes it, 2 processes instead of 8, and one key asking for what we don't do.
+    path = write(tmp_path, ACCELERATE_FSDP2.replace("num_processes: 8", "num_processes: 2"), debug="true")
+    proc = run_python([*ARGS, "--fsdp_config", path, "--workdir", str(tmp_path / "run")], 300, ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:") or "Warning" in line]
+    assert warned == [f"warning: {path}: debug is ignored: portable_fsdp has no debug launch mode; set "
+                      "TORCH_DISTRIBUTED_DEBUG=DETAIL for torch's checks"]
+    assert "cpu, 2 rank(s)" in proc.stdout
+    assert all(len(r["mem_mb"]) == 2 for r in records(tmp_path / "run") if "loss" in r)  # one entry per rank
+
+
+def start(args):
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env={**os.environ, "USE_TORCH_XLA": "0", **ENV})
+
+
+def test_two_machines_match_one(tmp_path):
+    """machine_rank 0 and 1 of num_machines 2 (static rendezvous at 127.0.0.1), sharing one workdir as two
+    machines share a disk: the losses of `--nproc 2` on one machine, bit for bit; rank 0 alone writes metrics."""
+    port = free_port()
+    shared = tmp_path / "shared"
+    nodes = []
+    for rank in (0, 1):  # each machine's own copy of the file
+        (tmp_path / f"machine{rank}").mkdir()
+        nodes.append(write(tmp_path / f"machine{rank}", num_processes=2, num_machines=2, machine_rank=rank,
+                           mixed_precision="'no'", main_process_ip="127.0.0.1", main_process_port=port))
+    procs = [start([*ARGS, "--fsdp_config", node, "--workdir", str(shared)]) for node in nodes]
+    try:
+        outputs = [proc.communicate(timeout=400) for proc in procs]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    assert "cpu, 2 rank(s)" in outputs[0][0] and outputs[1][0] == ""  # machine 1 prints no summary
+    one = tmp_path / "one"
+    single = write(tmp_path, num_processes=2, mixed_precision="'no'")
+    proc = run_python([*ARGS, "--fsdp_config", single, "--workdir", str(one)], 300, ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(losses(one)) == 6
+    assert losses(shared) == losses(one)  # measured: identical, not merely within 1e-6
+    assert [sorted(r) for r in records(shared)] == [sorted(r) for r in records(one)]  # rank 0 wrote each record once
+    assert files(shared) == files(one)  # the same checkpoint: both machines' rank files, one commit
+
+
+def run_main(capsys, *args):
+    code = run.main(["--config", TEST_RECIPE, *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("changes, backend, message", [
+    ({"distributed_type": "DEEPSPEED"}, "auto",
+     "distributed_type: DEEPSPEED is not run by portable_fsdp; write distributed_type: FSDP (with the fsdp_config "
+     "section), or XLA for torch_xla"),
+    ({"num_processes": 3, "num_machines": 2, "main_process_ip": "127.0.0.1"}, "auto",
+     "num_processes: 3 processes do not divide over num_machines = 2 (Accelerate counts the processes of all "
+     "machines); set num_processes to a multiple of num_machines"),
+    ({"num_machines": 2, "main_process_ip": "127.0.0.1"}, "flax",
+     "num_machines: = 2: --backend flax runs as one process driving this machine's devices (jax.distributed is "
+     "not set up); set num_machines: 1, or use --backend cpu or cuda for several machines"),
+])
+def test_refused_before_anything_is_written(tmp_path, capsys, changes, backend, message):
+    path = write(tmp_path, **changes)
+    workdir = tmp_path / "run"
+    code, err = run_main(capsys, "--fsdp_config", path, "--backend", backend, "--workdir", str(workdir))
+    assert (code, err) == (2, [f"error: {path}: {message}"])
+    assert not workdir.exists()
+
+
+def test_several_machines_need_a_workdir(tmp_path, capsys):
+    path = write(tmp_path, num_machines=2, main_process_ip="127.0.0.1")
+    code, err = run_main(capsys, "--fsdp_config", path)
+    assert (code, err) == (2, ["error: --workdir: num_machines: 2 needs --workdir, one directory every machine "
+                               "writes to (a shared disk): checkpoints hold every rank's files"])
