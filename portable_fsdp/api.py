@@ -62,7 +62,8 @@ def plan_for(config, world_size: int | None = None, backend: str | None = None) 
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     plan = resolve_plan(config, world)
     if backend is not None:
-        check_backend(config, plan, backend, _device_type(backend), world)
+        model = backends.load(backend).describe_model(config)  # the model's family: some rules read it
+        check_backend(config, plan, backend, _device_type(backend), world, model)
     return plan
 
 

@@ -51,6 +51,14 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     n_embedding_params: int = 0  # input embedding table(s): no matmul, left out of MFU's 6·N
+    # The model's family and the settings of its own config.json that start-up checks read (the capability
+    # table sees them as model.model_type, model.attention_dropout, ...): transformers' model_type ("llama",
+    # "gpt2", ...); the attention-probability dropout and the config.json key that sets it; the shortest
+    # sliding attention window of any layer (0: every layer attends to the whole sequence).
+    model_type: str = ""
+    attention_dropout: float = 0.0
+    attention_dropout_key: str = ""
+    sliding_window: int = 0
 
 
 class StepMetrics(TypedDict):

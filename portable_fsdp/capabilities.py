@@ -95,6 +95,19 @@ class NeitherOf:
         return f"∉ {{{_show(self.literal)}, {self.other}}}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Shorter:
+    """A length that is set (> 0) and shorter than the value of the field `other`."""
+
+    other: str
+
+    def holds(self, value, context) -> bool:
+        return 0 < value < context[self.other]
+
+    def describe(self) -> str:
+        return f"∈ [1, {self.other})"
+
+
 SET = IsNot([])  # a non-empty list field
 ON = Is(True)
 
@@ -127,6 +140,15 @@ def _refused_everywhere(fix: str) -> dict:
 
 XLA_DECIDES = NoEffect("the XLA compiler decides how devices exchange data")
 XLA_SCHEDULES = NoEffect("XLA decides how the sharded computation is scheduled")
+
+# What a model's own config.json decides (portable_fsdp.backend.ModelInfo's fields): the context has them as
+# model.<name> when the model is known (validate.check_backend with describe_model's info); a rule about
+# them does not apply where the model is not known.
+MODEL_FIELDS = ("model_type", "attention_dropout", "attention_dropout_key", "sliding_window")
+FLAX_FAMILIES = ("llama", "qwen2", "mistral")  # the transformers model_types backends/flax builds
+CP_DROPOUT = ("= {value} (the model's {model.attention_dropout_key}): the portable context-parallel attention "
+              "applies no dropout; set the model's {model.attention_dropout_key} to 0 in its config.json, or "
+              "plan.cp_size=1")
 
 RULES = (
     # ---- mesh axes no lowering has
@@ -228,6 +250,25 @@ RULES = (
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "
                         "or leave train.freeze empty")}),
+    # ---- model families
+    # What the model's own config.json decides, read as model.<name> (MODEL_FIELDS, from describe_model).
+    Rule("model.model_type", (("model.model_type", NoneOf(FLAX_FAMILIES)),), {
+        "flax": Refused("{value} is not implemented by --backend flax, which builds " + ", ".join(FLAX_FAMILIES)
+                        + " models; train it with --backend cpu, cuda or xla")}),
+    Rule("model.attention_dropout", (("plan.cp_size", Above(1)), ("model.attention_dropout", Above(0))), {
+        "cpu": Refused(CP_DROPOUT)}),
+    Rule("model.attention_dropout", (("model.attention_dropout", Above(0)),), {
+        "flax": Refused("= {value} (the model's {model.attention_dropout_key}): the flax model applies no dropout; "
+                        "set the model's {model.attention_dropout_key} to 0 in its config.json, or train it with "
+                        "--backend cpu, cuda or xla")}),
+    Rule("model.attention_dropout", (("plan.cp_size", Above(1)), ("plan.cp_impl", Is("portable")),
+                                     ("model.attention_dropout", Above(0))), {"cuda": Refused(CP_DROPOUT)}),
+    Rule("model.sliding_window", (("plan.cp_size", Above(1)), ("model.sliding_window", Shorter("data.seq_len"))), {
+        **dict.fromkeys(TORCH, Refused(
+            "= {value} (the model's sliding attention window) is shorter than data.seq_len={data.seq_len}, and "
+            "context-parallel attention on --backend {target} attends to the whole causal prefix; set "
+            "data.seq_len to at most {value}, or plan.cp_size=1 (--backend xla splits sequences with the model's "
+            "own attention)"))}),
 )
 
 
@@ -237,11 +278,13 @@ def target_for(backend: str, xla_fsdp_v2: bool = True) -> str:
 
 
 def verdicts(context: Mapping, target: str) -> list:
-    """[(rule, verdict)] of every rule whose condition holds in `context` and that names `target`."""
+    """[(rule, verdict)] of every rule whose condition holds in `context` and that names `target` (a condition on
+    a field `context` lacks — the model's, when the model is not known — does not hold)."""
     found = []
     for rule in RULES:
         verdict = rule.verdicts.get(target)
-        if verdict is not None and all(cond.holds(context[name], context) for name, cond in rule.when):
+        if verdict is not None and all(name in context and cond.holds(context[name], context)
+                                       for name, cond in rule.when):
             found.append((rule, verdict))
     return found
 

@@ -25,9 +25,9 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
     """Every check that can be made without starting a worker. `device`: the device type the run uses, when
     it is not the backend's name (xla: the PJRT device; flax: the JAX platform)."""
     plan = resolve_plan(config, world_size)
-    check_backend(config, plan, backend_name, device or backend_name, world_size)
     backend = backends.load(backend_name)
-    info = backend.describe_model(config)
+    info = backend.describe_model(config)  # the model's family and own settings: capability rules read them
+    check_backend(config, plan, backend_name, device or backend_name, world_size, info)
     plan.wrap_classes(info.no_split_modules, info.class_names)
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
     prepare_workdir(workdir, config, backend_name)

@@ -6,6 +6,7 @@ import math
 import warnings
 
 from portable_fsdp import capabilities, plan as plan_lib
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import flat_fields
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import resolve_metrics
@@ -36,12 +37,14 @@ def resolve_plan(config, world_size: int) -> plan_lib.ShardingPlan:
     return plan
 
 
-def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str, nproc: int) -> None:
+def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str, nproc: int,
+                  model: ModelInfo | None = None) -> None:
     """What the chosen lowering does with this config (portable_fsdp/capabilities.py), checked once before any
     worker starts: the first refused setting is a UserError naming it and the fix; each setting without
-    effect there is one warning. `device` is the device type the run uses (cpu, cuda, tpu, ...)."""
+    effect there is one warning. `device` is the device type the run uses (cpu, cuda, tpu, ...); `model`, the
+    backend's `describe_model`, adds the model's family and own settings (rules about them need it)."""
     target = capabilities.target_for(backend, plan.xla.xla_fsdp_v2)
-    context = {**flat_fields(config), "device": device.lower(), "--nproc": nproc}
+    context = {**flat_fields(config), "device": device.lower(), "--nproc": nproc, **model_fields(model)}
     found = capabilities.verdicts(context, target)
     for rule, verdict in found:
         if isinstance(verdict, capabilities.Refused):
@@ -49,6 +52,13 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     for rule, verdict in found:
         warnings.warn(f"{rule.field} has no effect on --backend {backend}: "
                       f"{capabilities.message(rule, verdict, context, target)}", stacklevel=2)
+
+
+def model_fields(model: ModelInfo | None) -> dict:
+    """The capability table's names for what a model's own config.json decides (capabilities.MODEL_FIELDS)."""
+    if model is None:
+        return {}
+    return {f"model.{name}": getattr(model, name) for name in capabilities.MODEL_FIELDS}
 
 
 def _positive(value, field: str, allow_zero: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""A flax.nnx Llama that computes what transformers' LlamaForCausalLM computes.
+"""A flax.nnx Llama that computes what transformers' LlamaForCausalLM computes — and Qwen2ForCausalLM and
+MistralForCausalLM, which differ from it in biases and a sliding window (architecture.py).
 
 Module and parameter names mirror the Hugging Face ones (`model.layers.0.self_attn.q_proj`), so weight
 conversion is a renaming plus a transpose of each linear kernel (flax keeps [in, out]). Dtypes follow
@@ -48,14 +49,16 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def attention_mask(positions):
+def attention_mask(positions, window: int = 0):
     """Causal, and within one packed document: a document starts wherever the position does not follow
-    the previous one (transformers' rule for packed rows without an attention mask). [b, 1, 1, q, k]."""
+    the previous one (transformers' rule for packed rows without an attention mask). With a sliding `window`,
+    only the keys fewer than `window` tokens back (transformers' sliding_window_overlay). [b, 1, 1, q, k]."""
     first = positions[:, :1] - 1
     starts = jnp.diff(positions, axis=-1, prepend=first) != 1
     documents = jnp.cumsum(starts, axis=-1)
     seq = positions.shape[1]
-    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+    distance = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
+    causal = (distance >= 0) & (distance < window) if window else distance >= 0
     same_document = documents[:, :, None] == documents[:, None, :]
     return (causal[None] & same_document)[:, None, None]
 
@@ -74,13 +77,13 @@ def grouped_attention(q, k, v, mask, scale: float):
 
 class Attention(nnx.Module):
     def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
-        def linear(n_in, n_out):
-            return nnx.Linear(n_in, n_out, use_bias=arch.attention_bias, rngs=rngs)
+        def linear(n_in, n_out, bias=arch.attention_bias):
+            return nnx.Linear(n_in, n_out, use_bias=bias, rngs=rngs)
 
         self.q_proj = linear(arch.hidden_size, arch.num_heads * arch.head_dim)
         self.k_proj = linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim)
         self.v_proj = linear(arch.hidden_size, arch.num_kv_heads * arch.head_dim)
-        self.o_proj = linear(arch.num_heads * arch.head_dim, arch.hidden_size)
+        self.o_proj = linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.output_bias)
         self.head_dim = arch.head_dim
 
     def __call__(self, x, cos, sin, mask):
@@ -134,10 +137,11 @@ class LlamaModel(nnx.Module):
     def __call__(self, input_ids, positions, constrain: Callable = lambda h: h):
         h = constrain(self.embed_tokens(input_ids))
         cos, sin = rotary_cos_sin(self.arch, positions, h.dtype)
-        mask = attention_mask(positions)
+        windows = self.arch.sliding_windows or (0,) * len(self.layers)
+        masks = {window: attention_mask(positions, window) for window in set(windows)}
         run = _run_layer_rematerialized if self.remat else _run_layer
-        for layer in self.layers:
-            h = constrain(run(layer, h, cos, sin, mask))
+        for layer, window in zip(self.layers, windows):
+            h = constrain(run(layer, h, cos, sin, masks[window]))
         return self.norm(h)
 
 

@@ -52,7 +52,23 @@ def describe_model(config) -> ModelInfo:
         class_names=tuple(sorted({type(m).__name__ for m in model.modules()})),
         no_split_modules=tuple(model._no_split_modules or ()),
         n_params=sum(unique.values()), n_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size, n_embedding_params=sum(embedding.values()))
+        vocab_size=cfg.vocab_size, n_embedding_params=sum(embedding.values()), **family_settings(cfg))
+
+
+# Where each family's config.json keeps the dropout on attention probabilities.
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def family_settings(cfg) -> dict:
+    """The ModelInfo fields start-up checks read from the model's own config: model_type, its attention
+    dropout (and the key that sets it), and its shortest sliding attention window (0: none)."""
+    key = next((k for k in ATTENTION_DROPOUT_KEYS if getattr(cfg, k, None) is not None), "")
+    layer_types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None) or 0
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = 0  # a window in config.json that no layer uses (Qwen2 with use_sliding_window=false)
+    return {"model_type": cfg.model_type, "attention_dropout": float(getattr(cfg, key, 0.0) or 0.0) if key else 0.0,
+            "attention_dropout_key": key, "sliding_window": int(window)}
 
 
 def create_model(config, rank: int, rank0_only: bool):

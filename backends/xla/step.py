@@ -21,7 +21,7 @@ from portable_fsdp.backends.hf_torch import matmul
 from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
-from portable_fsdp.backends.xla import fsdp_settings, optimizer as optim, params as params_lib
+from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, params as params_lib
 from portable_fsdp.backends.xla import runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
@@ -73,6 +73,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
     # Every process builds the seeded model on its host; SPMD has one process per host, so that is once a host.
     model = create_model(config, rank=0, rank0_only=False)
+    moe.prepare(model)  # experts that XLA compiles, and a histc PJRT CPU runs (backends/xla/moe.py)
     freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,41 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, ...) on torch_xla: transformers' defaults count tokens per
+expert with `torch.histc` on integer expert ids, which is implemented for CUDA only ("histogram_cpu" not
+implemented for 'Int' on PJRT CPU, the device type being "xla", not "cpu"). Two targeted changes, no fork of
+the model code:
+
+- the experts run transformers' own `batched_mm` implementation (each token's chosen experts' weights
+  gathered, then one batched matmul): static shapes, no token counts, nothing data-dependent — what XLA
+  compiles well — instead of `grouped_mm` (histc offsets, a grouped GEMM XLA lacks) or the eager loop over
+  the experts that were hit (a graph per routing pattern);
+- `torch.histc` takes integer input as float (exact for counts below 2**24): the router's load-balancing
+  loss (computed when the model's config sets output_router_logits) counts with it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+XLA_EXPERTS = "batched_mm"
+
+
+def prepare(model: torch.nn.Module) -> None:
+    """Make a transformers MoE model trainable under torch_xla (a model without experts is left as it is)."""
+    if not hasattr(model.config, "num_experts_per_tok"):  # the routing setting of every transformers MoE config
+        return
+    if model.config._experts_implementation != XLA_EXPERTS:
+        model.set_experts_implementation(XLA_EXPERTS)
+    _histc_takes_integers()
+
+
+def _histc_takes_integers() -> None:
+    if getattr(torch.histc, "_portable_fsdp", False):
+        return
+    original = torch.histc
+
+    @functools.wraps(original)
+    def histc(input, *args, **kwargs):
+        return original(input if input.is_floating_point() else input.float(), *args, **kwargs)
+
+    histc._portable_fsdp = True
+    torch.histc = histc
