@@ -93,7 +93,7 @@ def test_the_default_config_is_honoured_everywhere(backend, device):
 
 def test_every_rule_reads_fields_of_the_schema_and_names_known_targets():
     fields = {f"{section}.{key}" for section, values in base_config().items() if hasattr(values, "keys")
-              for key in values}
+              for key in values} | {f"model.{name}" for name in capabilities.MODEL_FIELDS}  # the model's own
     for rule in capabilities.RULES:
         assert rule.field in fields | {"--nproc"}, rule.field
         assert {name for name, _ in rule.when} <= fields | {"device", "--nproc"}, rule
