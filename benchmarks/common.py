@@ -13,6 +13,32 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The `--config.a.b=value` overrides of a benchmark's command line, for every run it makes (its worker
+# subprocesses inherit them through the environment).
+OVERRIDES_ENV = "PORTABLE_FSDP_BENCHMARK_OVERRIDES"
+
+
+def parse_benchmark_args(parser, argv=None):
+    """The benchmark's own flags; every other argument must be a `--config.a.b=value` override, as
+    `python -m portable_fsdp.run` takes it, and then applies to every run of the benchmark (checked here, so a
+    bad one is the CLI's one-line error before anything runs)."""
+    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.errors import UserError
+    from portable_fsdp.run import config_overrides
+
+    args, rest = parser.parse_known_args(argv)
+    try:
+        overrides = config_overrides(rest)
+        for key, value in overrides:
+            apply_override(load_recipe(None), key, value)
+    except UserError as err:
+        sys.exit(err.line())
+    os.environ[OVERRIDES_ENV] = json.dumps([f"--config.{key}={value}" for key, value in overrides])
+    return args
+
+
+def user_overrides() -> list:
+    return json.loads(os.environ.get(OVERRIDES_ENV, "[]"))
 
 
 # A tiny Llama for smoke runs: checks that a benchmark works, measures nothing.
@@ -25,10 +51,10 @@ def config_from_flags(flags: list):
     """The config `python -m portable_fsdp.run FLAGS` would run, parsed by the CLI's own code (a bad flag is
     the CLI's one-line UserError)."""
     from portable_fsdp.config import apply_override, load_recipe
-    from portable_fsdp.run import parse_args
+    from portable_fsdp.run import parse_args as parse_run_args
 
     config = load_recipe(None)
-    for key, value in parse_args(flags)[1]:
+    for key, value in parse_run_args([*flags, *user_overrides()])[1]:
         apply_override(config, key, value)
     return config
 
@@ -51,7 +77,7 @@ def run_cli(args: list, nproc: int, timeout: float = 900, env: dict | None = Non
     """Run `python -m portable_fsdp.run` in a fresh workdir; returns its metrics records (raises on failure)."""
     with tempfile.TemporaryDirectory() as workdir:
         proc = run_python(["-m", "portable_fsdp.run", "--workdir", workdir, "--nproc", str(nproc),
-                           "--config.train.progress_bar=false", *args], timeout, env)
+                           "--config.train.progress_bar=false", *args, *user_overrides()], timeout, env)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
         return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]

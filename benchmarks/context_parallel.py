@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import ROOT, machine, run_cli, table, write_json
+from benchmarks.common import parse_benchmark_args, ROOT, machine, run_cli, table, write_json
 
 SETTINGS = [("cp=1", 1, "allgather"), ("cp=2 allgather", 2, "allgather"), ("cp=2 alltoall", 2, "alltoall"),
             ("cp=4 allgather", 4, "allgather"), ("cp=4 alltoall", 4, "alltoall")]
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--common", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
+    args = parse_benchmark_args(parser)
     lengths = [int(x) for x in args.lengths.split(",")]
     results = {}
     for name, cp, method in SETTINGS:

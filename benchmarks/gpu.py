@@ -34,16 +34,15 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import (ROOT, config_from_flags, error_line, free_port, machine, run_cli, run_python, table,
+from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, machine, run_cli, run_python, table,
                                write_json)
 
 INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
 TRAIN_S, CP_RUN_S, ONE_RANK_S = 240, 150, 90  # each sub-run's own limit
-# MFU's denominator on an H200: the ~790 TFLOP/s of dense bf16 the issue fixes (what large GEMMs sustain); the
-# spec sheets say 989 (SXM) / 836 (NVL), also reported. Other GPUs: the run measures a matmul.
+# MFU's denominator on an H200: ~790 TFLOP/s of dense bf16, what large GEMMs sustain there; the datasheet's
+# peak (portable_fsdp.hardware) is also reported. Other GPUs: the run measures a matmul.
 PEAK_BF16 = 7.9e14
-SPEC_BF16 = {"H200 NVL": 8.36e14, "H200": 9.89e14}
 # On one rank the ring ("alltoall") still passes its dK/dV round, to itself: NCCL allows that, gloo (the
 # dry run) does not, so that dry-run row fails.
 CP_SETTINGS = [("torch", "allgather"), ("portable", "allgather"), ("portable", "alltoall")]
@@ -177,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny model on --backend cpu, to check the script")
     parser.add_argument("--one-rank-cp", help=argparse.SUPPRESS)  # IMPL,METHOD: the child of cp_one_rank
-    args = parser.parse_args()
+    args = parse_benchmark_args(parser)
     size, backend = (SIZES["cpu"], "cpu") if args.dry_run_cpu else (SIZES["gpu"], "cuda")
     import torch
 
@@ -195,10 +194,11 @@ def main() -> None:
         return
 
     from portable_fsdp.backends.hf_torch.model import describe_model
+    from portable_fsdp.hardware import datasheet_flops
 
     budget = Budget(BUDGET_S)
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else None
-    spec = next((value for name, value in SPEC_BF16.items() if name in (gpu or "")), 0.0)
+    spec = (datasheet_flops(gpu, "bfloat16") or 0.0) if gpu and "H200" in gpu else 0.0
     peak = PEAK_BF16 if spec else 0.0
     n_params = describe_model(config_from_flags(model_flags(size))).n_params
     # A GPU machine runs the mode its GPU count allows; the dry run checks both.

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.common import TINY_MODEL, config_from_flags, run_cli, table, torchrun
+from benchmarks.common import parse_benchmark_args, TINY_MODEL, config_from_flags, run_cli, table, torchrun
 
 
 def run_hf_trainer(model_overrides: list[str], seq_len: int, global_batch: int, steps: int, nproc: int = 2,
@@ -145,7 +145,7 @@ def _smoke() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help="internal: one torchrun rank's JSON spec")
-    cli = parser.parse_args()
+    cli = parse_benchmark_args(parser)
     if cli.worker:
         _worker(json.loads(cli.worker))
     else:

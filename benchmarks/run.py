@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import ROOT, config_from_flags, machine, run_cli, table, torchrun, write_json
+from benchmarks.common import parse_benchmark_args, ROOT, config_from_flags, machine, run_cli, table, torchrun, write_json
 from benchmarks.hf_trainer import run_hf_trainer
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -319,7 +319,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--quick", action="store_true", help="tiny models and steps: check the suite, measure nothing")
-    args = parser.parse_args()
+    args = parse_benchmark_args(parser)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown or not chosen:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import ROOT, machine, run_cli, table, write_json
+from benchmarks.common import parse_benchmark_args, ROOT, machine, run_cli, table, write_json
 
 
 def measure(backend: str, recipe: str, nproc: int, steps: int, warmup: int) -> dict:
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady state")
     parser.add_argument("--nproc", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_benchmark_args(parser)
     results = [measure(backend, args.recipe, args.nproc, args.steps, args.warmup) for backend in ("xla", "cpu")]
     headers = ["backend", "ranks", "first step (s)", "second step (s)", f"steady step (ms, median of {args.steps - args.warmup})",
                "tokens/s", f"compile ≈ first {args.warmup} steps − steady (s)", "loss at end"]

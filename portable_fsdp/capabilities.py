@@ -17,9 +17,10 @@ import dataclasses
 import re
 from typing import Mapping
 
-TARGETS = ("cpu", "cuda", "xla", "xla_v1", "flax")
+# The table's columns, and their headings in docs/capabilities.md.
 TARGET_NAMES = {"cpu": "cpu (FSDP2, gloo)", "cuda": "cuda (FSDP2, NCCL)", "xla": "xla (SPMD FSDPv2)",
                 "xla_v1": "xla (FSDP v1)", "flax": "flax (JAX)"}
+TARGETS = tuple(TARGET_NAMES)
 TORCH = ("cpu", "cuda")
 XLA = ("xla", "xla_v1")
 NOT_CUDA = ("cpu", "xla", "xla_v1")
@@ -128,10 +129,17 @@ class NoEffect:
 
 
 @dataclasses.dataclass(frozen=True)
+class Caution:
+    """Honoured, with one warning: it runs as asked but costs what the user may not expect."""
+
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     field: str  # the field the message names
     when: tuple  # ((field, condition), ...): all must hold
-    verdicts: Mapping  # target -> Refused | NoEffect; targets not named honour the setting
+    verdicts: Mapping  # target -> Refused | NoEffect | Caution; targets not named honour the setting
 
 
 def _refused_everywhere(fix: str) -> dict:
@@ -200,6 +208,9 @@ RULES = (
         "flax": XLA_SCHEDULES}),
     Rule("plan.auto_wrap_policy", (("plan.auto_wrap_policy", IsNot("TRANSFORMER_BASED_WRAP")),), {
         "flax": XLA_SCHEDULES}),
+    Rule("plan.auto_wrap_policy", (("plan.auto_wrap_policy", Is("NO_WRAP")),), dict.fromkeys(
+        (*TORCH, *XLA), Caution("the whole model is one FSDP unit, so every parameter is gathered at once and "
+                                "sharding saves no memory at compute time"))),
     Rule("plan.cpu_ram_efficient_loading", (("plan.cpu_ram_efficient_loading", ON),), {
         "xla_v1": Refused("has no FSDP v1 equivalent in torch_xla: every process builds the whole model; set it "
                           "to false, or use SPMD FSDPv2 (plan.xla_fsdp_v2=true), where one process per host "
@@ -234,7 +245,11 @@ RULES = (
         "flax": NoEffect("it selects torch_xla, which is --backend xla")}),
     Rule("plan.xla_fsdp_settings", (("plan.xla_fsdp_settings", IsNot({})),), {
         **dict.fromkeys(TORCH, NoEffect("they are torch_xla's settings, read by --backend xla only")),
-        "flax": NoEffect("they are torch_xla's settings, read by --backend xla only")}),
+        "flax": NoEffect("they are torch_xla's settings, read by --backend xla only"),
+        # compute_dtype and fp32_reduce_scatter became plan fields before this check (hf_import)
+        "xla": Refused("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
+                       "does not take (its compute_dtype and fp32_reduce_scatter become plan.param_dtype and "
+                       "plan.reduce_dtype); remove them, or set plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)),), {
         **dict.fromkeys(TORCH, NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")),
         "flax": NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")}),
@@ -302,7 +317,8 @@ def markdown() -> str:
     lines = ["# What each backend does with each setting", "",
              "Generated from `portable_fsdp/capabilities.py` (`python -m portable_fsdp.capabilities`); a setting "
              "that no row names is honoured on every backend. **refused** stops the run at start-up with one "
-             "`error:` line naming the field and the fix; *no effect* runs with one warning.", "",
+             "`error:` line naming the field and the fix; *no effect* and *with a warning* run with one warning.",
+             "",
              "| setting | when | " + " | ".join(TARGET_NAMES[t] for t in TARGETS) + " |",
              "| --- | --- | " + " | ".join("---" for _ in TARGETS) + " |"]
     for rule in RULES:
@@ -314,6 +330,8 @@ def markdown() -> str:
                 cells.append("honoured")
             elif isinstance(verdict, Refused):
                 cells.append("**refused**")
+            elif isinstance(verdict, Caution):
+                cells.append(f"honoured, with a warning: {verdict.why}")
             else:
                 cells.append(f"*no effect*: {verdict.why}")
         lines.append(f"| `{rule.field}` | {when} | " + " | ".join(cells) + " |")

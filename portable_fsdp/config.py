@@ -140,8 +140,29 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
     if _is_section(node[leaf], dotted):
         raise UserError(f"config.{dotted}", "is a section; set one of its fields, e.g. "
                         f"--config.{dotted}.{next(iter(node[leaf].keys()))}=...")
+    _assign(node, leaf, parse_value(raw, node[leaf], f"config.{dotted}"), f"config.{dotted}")
+
+
+def _assign(node, leaf: str, value, field: str) -> None:
+    """Set a checked value in a locked section; what ConfigDict itself refuses (a dotted key inside a mapping)
+    is a UserError."""
     with node.unlocked():
-        node[leaf] = parse_value(raw, node[leaf], f"config.{dotted}")
+        try:
+            node[leaf] = value
+        except ValueError as err:
+            raise UserError(field, f"cannot hold {value!r}: {err}") from None
+
+
+def command_line_text(value) -> str:
+    """A Python value as the command line writes it (`--config.a.b=TEXT`): true/false, A,B for a list, JSON for
+    a mapping."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
 
 
 def set_field(config: ml_collections.ConfigDict, dotted: str, value, source: str) -> None:
@@ -165,8 +186,7 @@ def set_field(config: ml_collections.ConfigDict, dotted: str, value, source: str
             value = float(value)
         else:
             raise UserError(source, f"must be a {type(expected).__name__} (got {value!r})")
-    with node.unlocked():
-        node[leaf] = value
+    _assign(node, leaf, value, source)
 
 
 def parse_value(raw: str, current, field: str):

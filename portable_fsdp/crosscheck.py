@@ -58,6 +58,10 @@ def initial_weights(config_spec: str, overrides: list, directory: pathlib.Path) 
     create_model(config, rank=0, rank0_only=False).save_pretrained(directory)
 
 
+# Fields crosscheck sets on every run itself, to log one loss per step for --steps steps.
+RUN_FIELDS = {"train.steps": "is set by crosscheck; use --steps", "train.log_every": "is set by crosscheck (every step)"}
+
+
 def run_backend(name: str, args, overrides: list, weights: pathlib.Path, workdir: pathlib.Path) -> dict:
     command = [sys.executable, "-m", "portable_fsdp.run", "--backend", name, "--config", args.config,
                "--workdir", str(workdir), "--nproc", str(args.nproc), f"--config.train.steps={args.steps}",
@@ -68,7 +72,10 @@ def run_backend(name: str, args, overrides: list, weights: pathlib.Path, workdir
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or proc.stderr.splitlines()[-1:]
         return {"status": f"failed: {lines[-1] if lines else proc.returncode}"}
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {"status": "ok", "losses": [r["loss"] for r in records if "loss" in r]}
+    losses = [r["loss"] for r in records if "loss" in r]
+    if len(losses) != args.steps:  # e.g. train.stop_at_step or early stopping ended it sooner
+        return {"status": f"failed: logged {len(losses)} of {args.steps} steps"}
+    return {"status": "ok", "losses": losses}
 
 
 def compare(results: dict, steps: int) -> list:
@@ -123,6 +130,9 @@ def main(argv=None) -> int:
             if name not in backends.BACKENDS:
                 raise UserError("--backends", f"unknown backend {name!r}; choose from {', '.join(backends.BACKENDS)}")
         per_backend = [_split_override(s) for s in args.override]
+        for key in [k for k, _ in shared] + [k for _, k, _ in per_backend]:
+            if key in RUN_FIELDS:
+                raise UserError(f"config.{key}", RUN_FIELDS[key])
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir("crosscheck")
         try:
             workdir.mkdir(parents=True, exist_ok=True)

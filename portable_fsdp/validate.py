@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import warnings
 
@@ -44,14 +45,30 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     effect there is one warning. `device` is the device type the run uses (cpu, cuda, tpu, ...); `model`, the
     backend's `describe_model`, adds the model's family and own settings (rules about them need it)."""
     target = capabilities.target_for(backend, plan.xla.xla_fsdp_v2)
-    context = {**flat_fields(config), "device": device.lower(), "--nproc": nproc, **model_fields(model)}
+    context = capability_context(config, plan, device, nproc, model)
     found = capabilities.verdicts(context, target)
     for rule, verdict in found:
         if isinstance(verdict, capabilities.Refused):
             raise UserError(rule.field, capabilities.message(rule, verdict, context, target))
     for rule, verdict in found:
-        warnings.warn(f"{rule.field} has no effect on --backend {backend}: "
-                      f"{capabilities.message(rule, verdict, context, target)}", stacklevel=2)
+        text = capabilities.message(rule, verdict, context, target)
+        if isinstance(verdict, capabilities.Caution):
+            warnings.warn(f"{rule.field}={context[rule.field]}: {text}", stacklevel=2)
+        else:
+            warnings.warn(f"{rule.field} has no effect on --backend {backend}: {text}", stacklevel=2)
+
+
+def capability_context(config, plan: plan_lib.ShardingPlan, device: str, nproc: int,
+                       model: ModelInfo | None = None) -> dict:
+    """What the capability table's conditions read: every config field by its dotted name — the plan's as the
+    plan holds them (an enum by its canonical name, whatever case the user wrote) —, the device type, --nproc,
+    and the model's own settings when known."""
+    plan_values = {}
+    for field in plan_lib.plan_fields():
+        value = field.value_in(plan)
+        plan_values[f"plan.{field.name}"] = (value.value if isinstance(value, enum.Enum)
+                                             else list(value) if isinstance(value, tuple) else value)
+    return {**flat_fields(config), **plan_values, "device": device.lower(), "--nproc": nproc, **model_fields(model)}
 
 
 def model_fields(model: ModelInfo | None) -> dict:

@@ -23,8 +23,13 @@ def configure_host_devices(count: int) -> None:
 
 
 def platform() -> str:
-    """The platform the run's devices will be on (the first JAX_PLATFORMS entry), without importing jax."""
-    return os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0].strip() or "cpu"
+    """The platform the run's devices are on: the first JAX_PLATFORMS entry (the launcher sets it before jax
+    starts), else what jax itself picked (a notebook on a GPU or TPU host)."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return os.environ["JAX_PLATFORMS"].split(",")[0].strip()
+    import jax
+
+    return jax.devices()[0].platform
 
 
 def take(count: int) -> list:

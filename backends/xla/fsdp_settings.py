@@ -1,5 +1,6 @@
 """plan.xla_fsdp_settings (Hugging Face's `xla_fsdp_settings`) and the plan's own fields -> keyword arguments of
-torch_xla's XlaFullyShardedDataParallel (FSDP v1). SPMD FSDPv2 takes none of them, so there every key is refused.
+torch_xla's XlaFullyShardedDataParallel (FSDP v1). SPMD FSDPv2 takes none of them: there the capability table
+refuses them (portable_fsdp/capabilities.py), once the two with a plan meaning moved onto the plan (hf_import).
 
 The accepted keys are read from the installed torch_xla's signature, less those this backend sets itself.
 """
@@ -36,17 +37,6 @@ def v1_signature() -> dict:
 def accepted_keys(signature: dict) -> list:
     """The public ones, for messages (torch_xla's `_debug...` keywords are accepted but not advertised)."""
     return sorted(name for name in signature if name not in OWNED and not name.startswith("_"))
-
-
-def check_spmd(settings: dict, signature: dict) -> None:
-    """SpmdFullyShardedDataParallel has no options a user sets: name the first key and say what to do."""
-    for key in settings:
-        if key in signature and key not in OWNED:
-            hint = " (for mixed precision set plan.param_dtype=bfloat16)" if key in DTYPE_KEYS else ""
-            raise UserError(FIELD, (
-                f"key {key!r} is a setting of XlaFullyShardedDataParallel (FSDP v1); SPMD FSDPv2 has no such "
-                f"option{hint}: remove it, or set plan.xla_fsdp_v2=false"))
-        _refuse_unknown_or_owned(key, signature)
 
 
 def v1_kwargs(plan: ShardingPlan, settings: dict, signature: dict, weight_decay: float) -> dict:

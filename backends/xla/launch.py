@@ -26,14 +26,11 @@ def start(config, spec: dict, workdir: pathlib.Path, nproc: int, preflight) -> d
     else:
         world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
     plan = preflight(config, "xla", world, workdir, device=device)
-    signature = fsdp_settings.v1_signature()
-    if v2:
-        fsdp_settings.check_spmd(plan.xla.xla_fsdp_settings, signature)
-    else:
-        fsdp_settings.v1_kwargs(plan, plan.xla.xla_fsdp_settings, signature, config.train.weight_decay)
     if v2:
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
         return worker.main(spec)
+    # FSDP v1: its settings are checked against the installed torch_xla before its processes start.
+    fsdp_settings.v1_kwargs(plan, plan.xla.xla_fsdp_settings, fsdp_settings.v1_signature(), config.train.weight_decay)
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     xmp.spawn(_v1_process, args=(spec,), nprocs=1 if device == "CPU" else None)

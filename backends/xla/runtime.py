@@ -17,6 +17,7 @@ import torch_xla.debug.metrics as xla_metrics
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
 
 
@@ -88,7 +89,10 @@ def gather_rows(runtime: Runtime, tensor: torch.Tensor) -> np.ndarray:
     """Every row of a batch-sharded tensor, in global-batch order, on the host of every process."""
     if runtime.spmd:
         if runtime.process_count > 1:
-            raise NotImplementedError("gathering predictions over several SPMD hosts is not built yet")
+            raise UserError("train.compute_metrics", (
+                "needs every prediction on one host, and SPMD FSDPv2 over several hosts keeps each host's rows "
+                "on its own devices; leave train.compute_metrics empty (eval_loss is still computed) or run "
+                "FSDP v1 (plan.xla_fsdp_v2=false)"))
         return tensor.cpu().numpy()
     return xm.all_gather(tensor, dim=0).cpu().numpy()
 

@@ -38,3 +38,22 @@ def test_a_bad_section_list_is_a_one_line_error(only, message):
 def test_a_bad_comm_worker_mode_is_a_one_line_error(tmp_path):
     proc = run_python(["-m", "benchmarks.comm_worker", str(tmp_path / "out.json"), "bytes"], timeout=60)
     assert proc.returncode == 1 and "mode 'bytes': use steps" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_benchmarks_take_the_run_commands_config_overrides(monkeypatch):
+    """`--config.a.b=value` on a benchmark's command line is checked as `run` checks it and reaches every run it
+    makes, its worker subprocesses included (through the environment)."""
+    import argparse
+
+    from benchmarks import common
+
+    monkeypatch.delenv(common.OVERRIDES_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4)
+    args = common.parse_benchmark_args(parser, ["--steps", "3", "--config.model.hidden_size=96",
+                                                "--config.train.lr=0.01"])
+    assert args.steps == 3
+    config = common.config_from_flags(["--config.train.lr=0.02"])  # the command line wins, as it comes last
+    assert config.model.hidden_size == 96 and config.train.lr == 0.01
+    with pytest.raises(SystemExit, match="error: config.train.stepz: unknown field; did you mean config.train.steps?"):
+        common.parse_benchmark_args(parser, ["--config.train.stepz=3"])

@@ -47,3 +47,13 @@ def test_config_fields_are_checked_as_run_checks_them(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: command line: unrecognised argument '--set'; fields are set as "
                                    "--config.a.b=value")
+
+
+def test_the_fields_crosscheck_sets_itself_are_refused_by_name(tmp_path):
+    proc = crosscheck(tmp_path, "--config.train.steps=3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config.train.steps: is set by crosscheck; use --steps"
+    proc = crosscheck(tmp_path, "--override", "flax:train.log_every=5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: config.train.log_every: is set by crosscheck (every step)"
+    assert not (tmp_path / "runs").exists()

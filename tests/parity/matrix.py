@@ -2,7 +2,8 @@
 
 Each variant is a set of `--config` overrides and a world size (ranks or devices). Which backends run it
 is not written here: a backend runs every variant the capability table (portable_fsdp/capabilities.py)
-says it honours — no setting refused there, none without effect (which would only repeat `base`). The
+says it honours — no setting refused there, none without effect (which would only repeat `base`); one
+honoured with a warning runs. The
 default suite runs `DEFAULT[backend]` (each axis and each backend at least once); the `slow` marker runs
 the rest of what each backend honours. The per-backend runners (tests/dist/fsdp_variants.py under
 torchrun, tests/xla/xla_variants.py in a torch_xla process, tests/flax in-process) take their variants
@@ -14,7 +15,8 @@ import dataclasses
 import os
 
 from portable_fsdp import capabilities
-from portable_fsdp.config import apply_override, flat_fields, load_recipe
+from portable_fsdp.config import apply_override, command_line_text, load_recipe
+from portable_fsdp.validate import capability_context, plan_from_config
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.py") + ":test"
 BACKENDS = ("cpu", "xla", "flax")  # cuda runs the cpu lowering on NCCL (tests/e2e/test_gpu.py)
@@ -92,7 +94,7 @@ def make_config(overrides: dict):
     """The test recipe with `--config.KEY=VALUE` overrides (values as the command line writes them)."""
     config = load_recipe(RECIPE)
     for key, value in overrides.items():
-        apply_override(config, key, str(value).lower() if isinstance(value, bool) else str(value))
+        apply_override(config, key, command_line_text(value))
     return config
 
 
@@ -100,9 +102,11 @@ def honours(backend: str, name: str) -> bool:
     """Whether `backend` runs variant `name` as written: no setting refused, none without effect."""
     variant = VARIANTS[name]
     config = make_config(variant.overrides)
-    context = {**flat_fields(config), "device": "cpu", "--nproc": variant.world}
-    target = capabilities.target_for(backend, config.plan.xla_fsdp_v2)
-    return not capabilities.verdicts(context, target)
+    plan = plan_from_config(config)
+    context = capability_context(config, plan, "cpu", variant.world)
+    target = capabilities.target_for(backend, plan.xla.xla_fsdp_v2)
+    return not any(isinstance(verdict, (capabilities.Refused, capabilities.NoEffect))
+                   for _, verdict in capabilities.verdicts(context, target))
 
 
 def variants_for(backend: str, *, slow: bool = False, world: int | None = None) -> list:

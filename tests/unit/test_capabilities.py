@@ -86,6 +86,16 @@ def test_settings_without_effect_are_one_warning_each(backend, overrides, device
     assert all(f" has no effect on --backend {backend}: " in m for m in messages), messages
 
 
+@pytest.mark.parametrize("backend, device", [("cpu", None), ("cuda", None), ("xla", "CPU"), ("xla", "TPU")])
+def test_no_wrap_runs_with_a_warning_that_it_saves_no_memory(backend, device):
+    overrides = {"plan.auto_wrap_policy": "NO_WRAP"}
+    if device == "TPU":
+        overrides["plan.xla_fsdp_v2"] = "false"
+    (message,) = check(backend, overrides, device, nproc=1 if device == "TPU" else 2)
+    assert message == ("plan.auto_wrap_policy=NO_WRAP: the whole model is one FSDP unit, so every parameter is "
+                       "gathered at once and sharding saves no memory at compute time")
+
+
 @pytest.mark.parametrize("backend, device", [("cpu", None), ("cuda", None), ("xla", "CPU"), ("flax", "cpu")])
 def test_the_default_config_is_honoured_everywhere(backend, device):
     assert check(backend, device=device) == []
@@ -125,3 +135,27 @@ def test_the_python_api_checks_the_backend_as_the_command_does():
         api.plan_for(config, 2, backend="flax")
     assert api.plan_for(config, 2, backend="cpu").mesh.fsdp_size == 2
     assert api.plan_for(config, 2).mesh.fsdp_size == 2  # without a backend: the backend-free checks only
+
+
+@pytest.mark.parametrize("written", ["sharded_state_dict", "Sharded_State_Dict", "SHARDED_STATE_DICT"])
+def test_the_table_reads_enum_fields_as_the_plan_does_whatever_their_case(written):
+    with user_error("plan.state_dict_type", "use FULL_STATE_DICT"):
+        check("flax", {"plan.state_dict_type": written}, "cpu")
+    assert check("flax", {"plan.auto_wrap_policy": "transformer_based_wrap"}, "cpu") == []
+
+
+@pytest.mark.parametrize("backend, overrides, device, nproc", [
+    ("xla", {"plan.xla_fsdp_v2": "false"}, "TPU", 4),  # FSDP v1's defaults on a TPU pod
+    ("xla", {"plan.cp_size": "2"}, "CPU", 2),  # sequence sharding alone: nothing to warn about
+    ("cpu", {"plan.cp_size": "2"}, None, 2),
+])
+def test_plain_settings_pass_without_a_word(backend, overrides, device, nproc):
+    assert check(backend, overrides, device, nproc) == []
+
+
+def test_every_default_variant_of_the_test_matrix_is_honoured():
+    """A new rule must not silently drop a variant from a backend's default parity tests."""
+    from tests.parity import matrix
+
+    for backend, names in matrix.DEFAULT.items():
+        assert [n for n in names if not matrix.honours(backend, n)] == [], backend

@@ -297,3 +297,19 @@ def test_set_field_on_locked_config():
     set_field(config, "plan.cpu_offload", True, "src")
     assert config.plan.cpu_offload is True
     assert isinstance(config, ml_collections.ConfigDict) and config.is_locked
+
+
+def test_a_mapping_with_a_dotted_key_is_one_line_not_a_traceback(config):
+    with user_error("config.plan.xla_fsdp_settings", "cannot hold {'a.b': 1}"):
+        apply_override(config, "plan.xla_fsdp_settings", '{"a.b": 1}')
+    with user_error("fsdp.json: xla_fsdp_settings", "cannot hold {'a.b': 1}"):
+        set_field(config, "plan.xla_fsdp_settings", {"a.b": 1}, "fsdp.json: xla_fsdp_settings")
+
+
+def test_python_values_reach_the_config_as_the_command_line_writes_them():
+    from portable_fsdp import api
+
+    config = api.get_config(None, {"train.freeze": ["embed_tokens", "norm"], "train.steps": 5,
+                                   "plan.cpu_offload": True, "plan.xla_fsdp_settings": {"compute_dtype": "bfloat16"}})
+    assert config.train.freeze == ["embed_tokens", "norm"] and config.train.steps == 5 and config.plan.cpu_offload
+    assert config.plan.xla_fsdp_settings.to_dict() == {"compute_dtype": "bfloat16"}
