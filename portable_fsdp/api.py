@@ -22,10 +22,11 @@ import os
 import pathlib
 
 from portable_fsdp import backends, checkpointing, loop
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.config import apply_override, command_line_text, load_recipe
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import evaluate
+from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.validate import check_backend, resolve_plan
 
@@ -51,15 +52,18 @@ def get_config(recipe: str | None = None, overrides: dict | None = None):
     (values may be Python values or their command-line text). An unknown field or a wrong type is a UserError."""
     config = load_recipe(recipe)
     for key, value in (overrides or {}).items():
-        apply_override(config, key, str(value).lower() if isinstance(value, bool) else str(value))
+        apply_override(config, key, command_line_text(value))
     return config
 
 
 def plan_for(config, world_size: int | None = None, backend: str | None = None) -> ShardingPlan:
     """The validated sharding plan, its mesh sized for `world_size` (default: WORLD_SIZE, else 1). With
     `backend`, also what the command checks before it starts one: a setting that backend refuses is a
-    UserError naming the fix, one it ignores a warning (portable_fsdp/capabilities.py)."""
+    UserError naming the fix, one it ignores a warning (portable_fsdp/capabilities.py); for xla, the
+    xla_fsdp_settings that mean a plan field under SPMD FSDPv2 move onto `config`'s plan, as the command does."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if backend == "xla":
+        xla_settings_onto_spmd_plan(config)
     plan = resolve_plan(config, world)
     if backend is not None:
         model = backends.load(backend).describe_model(config)  # the model's family: some rules read it
@@ -144,7 +148,7 @@ def train(config, backend: str = "cpu", workdir=None, nproc: int | None = 1) -> 
     from portable_fsdp import launch
     from portable_fsdp.run import default_nproc, default_workdir, resolve_backend
 
-    name = resolve_backend(backend)
+    name = resolve_backend(backend, config)
     backends.load(name)
     nproc = default_nproc(name) if nproc is None else nproc
     if nproc < 1:

@@ -51,6 +51,8 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     n_embedding_params: int = 0  # input embedding table(s): no matmul, left out of MFU's 6·N
+    root_class: str = ""  # the model's own class (e.g. LlamaForCausalLM)
+    inner_classes: dict = dataclasses.field(default_factory=dict)  # class -> the classes found inside it
     # The model's family and the settings of its own config.json that start-up checks read (the capability
     # table sees them as model.model_type, model.attention_dropout, ...): transformers' model_type ("llama",
     # "gpt2", ...); the attention-probability dropout and the config.json key that sets it; the shortest

@@ -16,7 +16,23 @@ PLAN_KEYS = {key: field.name for field in plan_fields() for key in field.hf_keys
 # FSDP1 knobs that FSDP2 does by itself or has no use for: accepted so existing files load, with a warning.
 NO_OP_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
               "limit_all_gathers", "sharded_state_dict_type", "offload_params_to_cpu")
+# FSDP1's ShardingStrategy, by name or by its number in older files -> FSDP2's reshard_after_forward.
 SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "_HYBRID_SHARD_ZERO2"}
+STRATEGIES_WITHOUT_EQUIVALENT = {
+    "NO_SHARD": "keeps a whole copy of the model on every rank (DDP); FSDP2 shards: use FULL_SHARD "
+                "(reshard_after_forward: true) or SHARD_GRAD_OP (reshard_after_forward: false)",
+    "HYBRID_SHARD": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does not "
+                    "offer; use FULL_SHARD (reshard_after_forward: true), which shards over every rank",
+    "_HYBRID_SHARD_ZERO2": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does "
+                           "not offer; use SHARD_GRAD_OP (reshard_after_forward: false), which shards over every "
+                           "rank",
+}
+# Hugging Face TrainingArguments' `fsdp` option words (--fsdp "full_shard auto_wrap offload").
+FSDP_OPTION_WORDS = {"full_shard": ("plan.reshard_after_forward", True),
+                     "shard_grad_op": ("plan.reshard_after_forward", False),
+                     "offload": ("plan.cpu_offload", True),
+                     "auto_wrap": ("plan.auto_wrap_policy", "TRANSFORMER_BASED_WRAP")}
 MIXED_PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -79,6 +95,10 @@ def _apply_parallelism_config(config, section: dict, path: str) -> None:
         if name == "cp_backend":
             warnings.warn(f"{source} is ignored: plan.cp_impl chooses the context-parallel kernels", stacklevel=2)
             continue
+        if name == "sp_backend":  # Accelerate's Ulysses runs through DeepSpeed; the plan's sp_size is its own
+            warnings.warn(f"{source} is ignored: plan.sp_size is lowered by each backend itself, not through "
+                          f"{value}", stacklevel=2)
+            continue
         if name not in PARALLELISM_KEYS:
             raise UserError(source, f"is not a parallelism setting; known: {', '.join(sorted(PARALLELISM_KEYS))}")
         set_field(config, f"plan.{PARALLELISM_KEYS[name]}", value, source)
@@ -91,7 +111,8 @@ def apply_fsdp_dict(config, data: dict, path: str) -> None:
         raise UserError(f"{path}: version", f"must be 1 or 2 (got {version!r}); portable_fsdp lowers to FSDP2")
     strategy = settings.pop("sharding_strategy", None)
     if strategy is not None:
-        _apply_sharding_strategy(config, strategy, path)
+        set_field(config, "plan.reshard_after_forward", reshard_for_strategy(strategy, f"{path}: sharding_strategy"),
+                  f"{path}: sharding_strategy")
     for key, value in settings.items():
         source = f"{path}: {key}"
         if key in NO_OP_KEYS:
@@ -99,20 +120,64 @@ def apply_fsdp_dict(config, data: dict, path: str) -> None:
             continue
         if key not in PLAN_KEYS:
             raise UserError(source, f"is not an FSDP setting; known keys: {', '.join(sorted(PLAN_KEYS))}")
+        if key == "reshard_after_forward":  # `accelerate config` for FSDP1 writes a strategy here
+            value = reshard_for_strategy(value, source)
         set_field(config, f"plan.{PLAN_KEYS[key]}", _normalise(value), source)
+
+
+def reshard_for_strategy(value, source: str):
+    """reshard_after_forward from what files write for it: a boolean (or its text), an FSDP1 ShardingStrategy
+    name, or that strategy's number (1-5). A strategy FSDP2 has no meaning for is a UserError."""
+    if isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false")):
+        return value
+    name = STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else str(value).upper()
+    if name in SHARDING_STRATEGIES:
+        return SHARDING_STRATEGIES[name]
+    if name in STRATEGIES_WITHOUT_EQUIVALENT:
+        label = f"{value} ({name})" if isinstance(value, int) else name
+        raise UserError(source, f"{label} {STRATEGIES_WITHOUT_EQUIVALENT[name]}")
+    raise UserError(source, (f"unknown sharding strategy {value!r}; write true/false, FULL_SHARD or SHARD_GRAD_OP "
+                             "(FSDP1's 1 and 2)"))
+
+
+def apply_fsdp_option(config, text: str) -> None:
+    """Hugging Face TrainingArguments' `fsdp` string, e.g. "full_shard auto_wrap offload" (--fsdp)."""
+    for word in text.split():
+        source = f"--fsdp: {word}"
+        if word.upper() in STRATEGIES_WITHOUT_EQUIVALENT:
+            raise UserError(source, STRATEGIES_WITHOUT_EQUIVALENT[word.upper()])
+        if word not in FSDP_OPTION_WORDS:
+            raise UserError(source, f"is not an fsdp option; choose from {', '.join(FSDP_OPTION_WORDS)}")
+        set_field(config, *FSDP_OPTION_WORDS[word], source)
+
+
+def xla_settings_onto_spmd_plan(config) -> None:
+    """Hugging Face's TPU fsdp_config (`xla: true`, `xla_fsdp_settings`, `xla_fsdp_grad_ckpt`) is written for
+    torch_xla's FSDP v1. Under SPMD FSDPv2 (plan.xla_fsdp_v2, the xla backend's default) the settings that have
+    a plan meaning move onto the plan: `compute_dtype` -> plan.param_dtype, `fp32_reduce_scatter` ->
+    plan.reduce_dtype (float32, or the compute dtype). Any other key is FSDP v1's alone, and the xla backend
+    refuses it by name. A contradiction with a plan field the user set is an error naming both."""
+    settings = config.plan.xla_fsdp_settings.to_dict()
+    if not config.plan.xla_fsdp_v2 or not {"compute_dtype", "fp32_reduce_scatter"} & set(settings):
+        return
+    field = "plan.xla_fsdp_settings"
+    if "compute_dtype" in settings:
+        dtype = str(settings.pop("compute_dtype")).removeprefix("torch.")
+        if config.plan.param_dtype not in ("float32", dtype):
+            raise UserError(field, f"key 'compute_dtype' = {dtype} contradicts plan.param_dtype="
+                            f"{config.plan.param_dtype}; set one of them")
+        set_field(config, "plan.param_dtype", dtype, f"{field}: compute_dtype")
+    if "fp32_reduce_scatter" in settings:
+        fp32 = settings.pop("fp32_reduce_scatter")
+        if not isinstance(fp32, bool):
+            raise UserError(field, f"key 'fp32_reduce_scatter' must be true or false (got {fp32!r})")
+        set_field(config, "plan.reduce_dtype", "float32" if fp32 else config.plan.param_dtype,
+                  f"{field}: fp32_reduce_scatter")
+    set_field(config, field, settings, field)
 
 
 def _strip_prefix(key: str) -> str:
     return key[len("fsdp_"):] if key.startswith("fsdp_") else key
-
-
-def _apply_sharding_strategy(config, strategy, path: str) -> None:
-    name = str(strategy).upper()
-    if name not in SHARDING_STRATEGIES:
-        raise UserError(f"{path}: sharding_strategy", (
-            f"{strategy!r} has no FSDP2 equivalent here; use FULL_SHARD or SHARD_GRAD_OP "
-            "(or reshard_after_forward true/false)"))
-    set_field(config, "plan.reshard_after_forward", SHARDING_STRATEGIES[name], f"{path}: sharding_strategy")
 
 
 def _normalise(value):

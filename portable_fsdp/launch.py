@@ -9,11 +9,13 @@ import pathlib
 import socket
 import sys
 import uuid
+import warnings
 
 from portable_fsdp import backends, checkpointing, worker
 from portable_fsdp.accelerate_launch import LaunchSettings
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
+from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
 from portable_fsdp.validate import check_backend, resolve_plan
 
 
@@ -28,7 +30,9 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
     backend = backends.load(backend_name)
     info = backend.describe_model(config)  # the model's family and own settings: capability rules read them
     check_backend(config, plan, backend_name, device or backend_name, world_size, info)
-    plan.wrap_classes(info.no_split_modules, info.class_names)
+    plan.wrap_classes(info)
+    for message in plan.wrap_warnings(info):
+        warnings.warn(message, stacklevel=2)
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
     prepare_workdir(workdir, config, backend_name)
     return plan
@@ -58,6 +62,8 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
     130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError."""
+    if backend_name == "xla":
+        xla_settings_onto_spmd_plan(config)  # before the workers get the config
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
     if backend_name == "flax":
         return _start_jax(config, spec, workdir, nproc)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Sequence
 
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.errors import UserError
 
 
@@ -162,20 +162,49 @@ class ShardingPlan:
         device cannot run is refused at start-up by the capability table (portable_fsdp/capabilities.py)."""
         return self.cp_impl if self.cp_impl != "auto" else ("torch" if device_type == "cuda" else "portable")
 
-    def wrap_classes(self, model_no_split: Sequence[str], model_classes: Sequence[str]) -> tuple:
-        """The layer classes to wrap: the plan's, or the model's own `_no_split_modules` when empty."""
-        wanted = tuple(self.transformer_layer_cls_to_wrap) or tuple(model_no_split)
+    def wrap_classes(self, model: ModelInfo) -> tuple:
+        """The layer classes to wrap: the plan's, or the model's own `_no_split_modules` when empty. A class the
+        model does not have, the model itself, or a class inside another wrapped class is a UserError naming
+        the classes the model does have (its _no_split_modules first)."""
+        wanted = tuple(self.transformer_layer_cls_to_wrap) or tuple(model.no_split_modules)
         needed = self.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP or self.activation_checkpointing
+        field = "plan.transformer_layer_cls_to_wrap"
         if not wanted and needed:
-            raise UserError("plan.transformer_layer_cls_to_wrap", (
+            raise UserError(field, (
                 "is empty and the model declares no _no_split_modules; name the layer class to wrap "
-                f"(module classes in this model: {', '.join(sorted(set(model_classes)))})"))
-        missing = [name for name in wanted if name not in model_classes]
+                f"(module classes in this model: {', '.join(model.class_names)})"))
+        missing = [name for name in wanted if name not in model.class_names]
         if missing:
-            layers = sorted({c for c in model_classes if "Layer" in c or "Block" in c}) or sorted(set(model_classes))
-            raise UserError("plan.transformer_layer_cls_to_wrap", (
-                f"the model has no class {', '.join(missing)}; classes it has: {', '.join(layers)}"))
+            raise UserError(field, f"the model has no class {', '.join(missing)}; {_classes_it_has(model)}")
+        if model.root_class in wanted:
+            raise UserError(field, (
+                f"{model.root_class} is the whole model: one unit gathers every parameter at once and saves no "
+                f"memory; wrap its layers instead ({_classes_it_has(model)}), or set plan.auto_wrap_policy=NO_WRAP"))
+        nested = [(outer, inner) for outer in wanted for inner in wanted
+                  if inner in model.inner_classes.get(outer, ())]
+        if nested:
+            outer, inner = nested[0]
+            raise UserError(field, (
+                f"{outer} contains {inner}: a unit inside another unit is gathered twice; name one of them "
+                f"({_classes_it_has(model)})"))
         return wanted
+
+    def wrap_warnings(self, model: ModelInfo) -> list:
+        """What runs but costs: a wrapped class that holds no other module (Linear, Embedding, ...) makes every
+        such layer its own unit, each with its own all-gather and reduce-scatter per step."""
+        if self.auto_wrap_policy != WrapPolicy.TRANSFORMER_BASED_WRAP:
+            return []
+        single = [name for name in self.wrap_classes(model) if not model.inner_classes.get(name)]
+        layers = ", ".join(model.no_split_modules) or "a transformer layer class"
+        return [f"plan.transformer_layer_cls_to_wrap: {name} holds no other module, so every {name} becomes its "
+                f"own FSDP unit with its own all-gather and reduce-scatter each step: far more communication than "
+                f"wrapping {layers}" for name in single]
+
+
+def _classes_it_has(model: ModelInfo) -> str:
+    """The model's classes for an error message: its _no_split_modules first, then its other layer-like ones."""
+    layer_like = [c for c in model.class_names if ("Layer" in c or "Block" in c) and c not in model.no_split_modules]
+    return "classes it has: " + ", ".join([*model.no_split_modules, *layer_like] or model.class_names)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import warnings
 from portable_fsdp import accelerate_launch, backends
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
-from portable_fsdp.hf_import import apply_fsdp_file
+from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option
 
 
 class Parser(argparse.ArgumentParser):
@@ -26,10 +26,13 @@ def parse_args(argv):
     parser = Parser(prog="python -m portable_fsdp.run", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
-                        help="auto = cuda when a GPU is present, else cpu; xla = torch_xla; flax = JAX")
+                        help="auto = xla on a TPU or when plan.xla is true, cuda when a GPU is present, else cpu; "
+                             "xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
     parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
     parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
+    parser.add_argument("--fsdp", default=None, metavar="OPTIONS",
+                        help='Hugging Face TrainingArguments\' fsdp words, e.g. "full_shard auto_wrap offload"')
     parser.add_argument("--fsdp_config", default=None, help="a Hugging Face fsdp_config JSON or an Accelerate YAML")
     args, rest = parser.parse_known_args(argv)
     return args, config_overrides(rest)
@@ -55,7 +58,18 @@ def default_workdir(name: str) -> pathlib.Path:
     return pathlib.Path(f"runs/{name}-{stamp}")
 
 
-def resolve_backend(name: str) -> str:
+def tpu_visible() -> bool:
+    """A Cloud TPU VM, seen without importing torch_xla: PJRT_DEVICE=TPU, or the TPU chips' device files."""
+    import glob
+
+    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or bool(glob.glob("/dev/accel[0-9]*"))
+
+
+def resolve_backend(name: str, config=None) -> str:
+    """`auto`: xla on a TPU VM or when the config asks for torch_xla (Hugging Face's `xla: true`), else cuda when
+    a GPU is visible, else cpu."""
+    if name == "auto" and ((config is not None and config.plan.xla) or tpu_visible()):
+        return "xla"
     if name in ("auto", "cuda"):
         import torch
 
@@ -89,6 +103,8 @@ def main(argv=None) -> int:
     try:
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         config = load_recipe(args.config)
+        if args.fsdp:
+            apply_fsdp_option(config, args.fsdp)
         if args.fsdp_config:
             apply_fsdp_file(config, args.fsdp_config)
         for key, value in overrides:
@@ -99,7 +115,7 @@ def main(argv=None) -> int:
 
         warnings.formatwarning = format_warning
         nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
-        backend = resolve_backend(nodes.backend)
+        backend = resolve_backend(nodes.backend, config)
         backends.load(backend)
         nproc = nodes.nproc if nodes.nproc is not None else default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem

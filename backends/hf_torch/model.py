@@ -48,11 +48,16 @@ def describe_model(config) -> ModelInfo:
     tied = {id(p) for p in output.parameters()} if output is not None else set()
     embedding = {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
                  for p in m.parameters() if id(p) not in tied}
+    inner: dict = {}
+    for module in model.modules():
+        inner.setdefault(type(module).__name__, set()).update(
+            type(child).__name__ for child in module.modules() if child is not module)
     return ModelInfo(
-        class_names=tuple(sorted({type(m).__name__ for m in model.modules()})),
+        class_names=tuple(sorted(inner)),
         no_split_modules=tuple(model._no_split_modules or ()),
         n_params=sum(unique.values()), n_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size, n_embedding_params=sum(embedding.values()), **family_settings(cfg))
+        vocab_size=cfg.vocab_size, n_embedding_params=sum(embedding.values()), root_class=type(model).__name__,
+        inner_classes={name: tuple(sorted(classes)) for name, classes in inner.items()}, **family_settings(cfg))
 
 
 # Where each family's config.json keeps the dropout on attention probabilities.

@@ -1,8 +1,6 @@
 """The plan applied to a torch model: `parallelize` calls one `apply_*` per technique, in a fixed order."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
@@ -25,7 +23,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     3. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
        `meshes.shard`.
 
-    Tensor and expert parallelism, when they come, go before context parallelism: they change the modules
+    Tensor and expert parallelism belong before context parallelism in this order: they change the modules
     the later steps wrap and shard."""
     if cp is not None:
         apply_context_parallel(model, cp)
@@ -61,9 +59,7 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple,
         units = [m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)]
     elif plan.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP:
         units = _size_based_units(model, plan.min_num_params)
-    else:
-        warnings.warn("plan.auto_wrap_policy=NO_WRAP: the whole model is one FSDP unit, so every parameter is "
-                      "gathered at once and sharding saves no memory at compute time", stacklevel=2)
+    else:  # NO_WRAP: the root alone (warned about at start-up, portable_fsdp/capabilities.py)
         units = []
     for unit in units:
         fully_shard(unit, **kwargs)

@@ -66,7 +66,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
     info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
     baseline_mb = _memory_now_mb(runtime.device)
-    layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
+    layer_classes = plan.wrap_classes(info)
     meshes = build_meshes(plan.mesh, runtime.device.type)
     cp = None
     if meshes.cp is not None:

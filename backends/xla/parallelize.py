@@ -55,9 +55,7 @@ def wrap_policy(model: nn.Module, plan: ShardingPlan, layer_classes: tuple):
             return size_based(module, recurse, unwrapped_params, **kwargs) and (recurse or module not in tied)
 
         return policy
-    warnings.warn("plan.auto_wrap_policy=NO_WRAP: the whole model is one FSDP unit, so every parameter is "
-                  "gathered at once and sharding saves no memory at compute time", stacklevel=2)
-    return None
+    return None  # NO_WRAP: the root alone (warned about at start-up, portable_fsdp/capabilities.py)
 
 
 def _modules_holding_tied_parameters(model: nn.Module) -> set:

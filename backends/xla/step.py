@@ -62,15 +62,10 @@ class TrainState:
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = rt.initialize(plan)
     baseline_mb = host_memory.resident_mb()
-    signature = fsdp_settings.v1_signature()
-    settings = plan.xla.xla_fsdp_settings
-    if runtime.spmd:
-        fsdp_settings.check_spmd(settings, signature)
-        v1_kwargs = {}
-    else:
-        v1_kwargs = fsdp_settings.v1_kwargs(plan, settings, signature, config.train.weight_decay)
+    v1_kwargs = {} if runtime.spmd else fsdp_settings.v1_kwargs(
+        plan, plan.xla.xla_fsdp_settings, fsdp_settings.v1_signature(), config.train.weight_decay)
     info = describe_model(config)
-    layer_classes = plan.wrap_classes(info.no_split_modules, info.class_names)
+    layer_classes = plan.wrap_classes(info)
     # Every process builds the seeded model on its host; SPMD has one process per host, so that is once a host.
     model = create_model(config, rank=0, rank0_only=False)
     moe.prepare(model)  # experts that XLA compiles, and a histc PJRT CPU runs (backends/xla/moe.py)

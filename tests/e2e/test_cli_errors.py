@@ -67,6 +67,16 @@ CASES = [
      'error: plan.activation_checkpointing: is on together with train.gradient_checkpointing; they recompute the same activations twice: keep plan.activation_checkpointing and set train.gradient_checkpointing=false'),
     (['--config.plan.transformer_layer_cls_to_wrap=GPT2Block'],
      'error: plan.transformer_layer_cls_to_wrap: the model has no class GPT2Block; classes it has: LlamaDecoderLayer'),
+    (['--config.plan.transformer_layer_cls_to_wrap=LlamaForCausalLM'],
+     'error: plan.transformer_layer_cls_to_wrap: LlamaForCausalLM is the whole model: one unit gathers every parameter '
+     'at once and saves no memory; wrap its layers instead (classes it has: LlamaDecoderLayer), or set '
+     'plan.auto_wrap_policy=NO_WRAP'),
+    (['--config.plan.transformer_layer_cls_to_wrap=LlamaDecoderLayer,LlamaMLP'],
+     'error: plan.transformer_layer_cls_to_wrap: LlamaDecoderLayer contains LlamaMLP: a unit inside another unit is '
+     'gathered twice; name one of them (classes it has: LlamaDecoderLayer)'),
+    (['--fsdp', 'hybrid_shard auto_wrap'],
+     'error: --fsdp: hybrid_shard: shards within a node and replicates across nodes (HSDP), which portable_fsdp does '
+     'not offer; use FULL_SHARD (reshard_after_forward: true), which shards over every rank'),
     (['--config.plan.auto_wrap_policy=SIZE_BASED_WRAP'],
      'error: plan.min_num_params: SIZE_BASED_WRAP needs a positive min_num_params (e.g. 100000000); set plan.min_num_params or choose another plan.auto_wrap_policy'),
     (['--config.plan.auto_wrap_policy=EVERYTHING'],
@@ -188,3 +198,16 @@ def test_fsdp_config_values_reach_the_plan(tmp_path):
     assert manifest["plan"]["reshard_after_forward"] is False
     assert manifest["plan"]["activation_checkpointing"] is True
     assert manifest["plan"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+
+
+def test_wrapping_single_layers_warns_once_at_start_up(tmp_path):
+    """`transformer_layer_cls_to_wrap: Linear` runs, with one warning about its communication, from the
+    launcher (not once per rank)."""
+    from portable_fsdp import launch
+    from portable_fsdp.config import apply_override, load_recipe
+
+    config = load_recipe(TEST_RECIPE)
+    apply_override(config, "plan.transformer_layer_cls_to_wrap", "Linear")
+    with pytest.warns(UserWarning, match="Linear holds no other module, so every Linear becomes its own FSDP unit"):
+        plan = launch.preflight(config, "cpu", 2, tmp_path / "w")
+    assert plan.transformer_layer_cls_to_wrap == ("Linear",)

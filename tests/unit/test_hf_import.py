@@ -8,7 +8,7 @@ import pytest
 from portable_fsdp import validate
 from portable_fsdp.config import base_config
 from portable_fsdp.errors import UserError
-from portable_fsdp.hf_import import apply_fsdp_file
+from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option, xla_settings_onto_spmd_plan
 from portable_fsdp.plan import MixedPrecision, StateDictType, WrapPolicy
 from tests.unit._helpers import user_error
 
@@ -123,11 +123,99 @@ def test_fsdp1_sharding_strategy(config, tmp_path, strategy, reshard):
     assert config.plan.reshard_after_forward is reshard
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"])
-def test_fsdp1_sharding_strategy_without_equivalent(config, tmp_path, strategy):
+@pytest.mark.parametrize("strategy, label, fix", [
+    ("HYBRID_SHARD", "HYBRID_SHARD", "use FULL_SHARD (reshard_after_forward: true)"),
+    ("_HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),
+    ("NO_SHARD", "NO_SHARD", "keeps a whole copy of the model on every rank (DDP)"),
+    (3, "3 (NO_SHARD)", "use FULL_SHARD (reshard_after_forward: true) or SHARD_GRAD_OP"),
+    (4, "4 (HYBRID_SHARD)", "(HSDP), which portable_fsdp does not offer"),
+])
+def test_fsdp1_sharding_strategy_without_equivalent(config, tmp_path, strategy, label, fix):
     path = write_json(tmp_path, {"sharding_strategy": strategy})
-    with user_error(f"{path}: sharding_strategy", "has no FSDP2 equivalent"):
+    with user_error(f"{path}: sharding_strategy", f"{label} ") as info:
         apply_fsdp_file(config, path)
+    assert fix in info.value.message
+
+
+# What `accelerate config` writes for FSDP1 (fsdp_version 1): the strategy under fsdp_reshard_after_forward,
+# by name, or by number in older files.
+ACCELERATE_FSDP1_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: {strategy}
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_use_orig_params: true
+  fsdp_version: 1
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+@pytest.mark.parametrize("strategy, reshard", [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), (1, True), (2, False),
+                                               ("true", True), ("false", False)])
+def test_accelerate_fsdp1_yaml_strategy_in_reshard_after_forward(config, tmp_path, strategy, reshard):
+    config.plan.reshard_after_forward = not reshard
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the FSDP1 prefetch / use_orig_params knobs: tested elsewhere
+        apply_fsdp_file(config, write_yaml(tmp_path, ACCELERATE_FSDP1_YAML.format(strategy=strategy)))
+    assert config.plan.reshard_after_forward is reshard
+    plan = validate.plan_from_config(config)
+    assert plan.state_dict_type is StateDictType.SHARDED_STATE_DICT and plan.cpu_ram_efficient_loading
+    assert plan.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    assert plan.mixed_precision == MixedPrecision("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (5, "5 (_HYBRID_SHARD_ZERO2)"),
+                                              ("EVERYTHING", "unknown sharding strategy 'EVERYTHING'"),
+                                              (7, "unknown sharding strategy 7")])
+def test_accelerate_fsdp1_yaml_strategy_without_equivalent(config, tmp_path, strategy, phrase):
+    path = write_yaml(tmp_path, ACCELERATE_FSDP1_YAML.format(strategy=strategy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with user_error(f"{path}: reshard_after_forward", phrase):
+            apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("text, reshard, offload", [("full_shard auto_wrap", True, False),
+                                                    ("shard_grad_op auto_wrap offload", False, True),
+                                                    ("full_shard offload", True, True)])
+def test_trainer_fsdp_option_string(config, text, reshard, offload):
+    config.plan.reshard_after_forward = not reshard
+    apply_fsdp_option(config, text)
+    assert config.plan.reshard_after_forward is reshard and config.plan.cpu_offload is offload
+    assert config.plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+
+
+@pytest.mark.parametrize("text, field, phrase", [
+    ("hybrid_shard auto_wrap", "--fsdp: hybrid_shard", "use FULL_SHARD"),
+    ("no_shard", "--fsdp: no_shard", "keeps a whole copy of the model on every rank (DDP)"),
+    ("full_shard autowrap", "--fsdp: autowrap", "is not an fsdp option; choose from full_shard, shard_grad_op, "
+                                                "offload, auto_wrap"),
+])
+def test_trainer_fsdp_option_string_refusals(config, text, field, phrase):
+    with user_error(field, phrase):
+        apply_fsdp_option(config, text)
 
 
 @pytest.mark.parametrize("key", ["backward_prefetch", "fsdp_forward_prefetch", "use_orig_params",
@@ -151,7 +239,7 @@ def test_unknown_key(config, tmp_path):
 @pytest.mark.parametrize("key, value, phrase", [
     ("cpu_offload", "yes", "must be a bool (got 'yes')"),
     ("min_num_params", 1.5, "must be a int (got 1.5)"),
-    ("reshard_after_forward", 1, "must be a bool (got 1)"),
+    ("reshard_after_forward", 1.5, "unknown sharding strategy 1.5; write true/false, FULL_SHARD or SHARD_GRAD_OP"),  # 1-5: FSDP1 numbers
     ("auto_wrap_policy", 2, "must be a str (got 2)"),
     ("transformer_layer_cls_to_wrap", ["LlamaDecoderLayer", 3], "must be a list of names"),
 ])
@@ -333,3 +421,58 @@ def test_yaml_unknown_fsdp_key(config, tmp_path):
     path = write_yaml(tmp_path, "fsdp_config:\n  fsdp_wrap_everything: true\n")
     with user_error(f"{path}: wrap_everything", "is not an FSDP setting"):
         apply_fsdp_file(config, path)
+
+
+def test_parallelism_backends_are_ignored_by_name(config, tmp_path):
+    path = write_yaml(tmp_path, """\
+        fsdp_config:
+          fsdp_version: 2
+        parallelism_config:
+          parallelism_config_cp_size: 2
+          parallelism_config_cp_comm_strategy: alltoall
+          parallelism_config_cp_backend: torch
+          parallelism_config_sp_backend: deepspeed
+    """)
+    with pytest.warns(UserWarning) as record:
+        apply_fsdp_file(config, path)
+    assert [str(w.message) for w in record] == [
+        f"{path}: parallelism_config_cp_backend is ignored: plan.cp_impl chooses the context-parallel kernels",
+        f"{path}: parallelism_config_sp_backend is ignored: plan.sp_size is lowered by each backend itself, not "
+        "through deepspeed"]
+    assert config.plan.cp_size == 2 and config.plan.cp_rotate_method == "alltoall"  # cp_comm_strategy
+
+
+# The TPU fsdp_config of Hugging Face's guide (xla, xla_fsdp_settings, xla_fsdp_grad_ckpt), as TPU users have it.
+HF_TPU_CONFIG = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla": True,
+                 "xla_fsdp_settings": {"compute_dtype": "bfloat16", "fp32_reduce_scatter": True},
+                 "xla_fsdp_grad_ckpt": True}
+
+
+def test_hf_tpu_config_on_spmd_fsdpv2_moves_its_settings_onto_the_plan(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    xla_settings_onto_spmd_plan(config)
+    assert config.plan.param_dtype == "bfloat16" and config.plan.reduce_dtype == "float32"
+    assert config.plan.xla_fsdp_settings.to_dict() == {}  # nothing left for FSDP v1 options
+    plan = validate.plan_from_config(config)
+    assert plan.activation_checkpointing and plan.xla.xla and plan.xla.xla_fsdp_v2
+
+
+def test_hf_tpu_config_with_fsdp_v1_keeps_its_settings(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_v2": False}))
+    xla_settings_onto_spmd_plan(config)
+    assert config.plan.param_dtype == "float32"  # FSDP v1 reads compute_dtype itself
+    assert config.plan.xla_fsdp_settings.to_dict() == HF_TPU_CONFIG["xla_fsdp_settings"]
+
+
+def test_hf_tpu_config_contradicting_the_plan_names_both(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    config.plan.param_dtype = "float16"
+    with user_error("plan.xla_fsdp_settings", "key 'compute_dtype' = bfloat16 contradicts plan.param_dtype=float16"):
+        xla_settings_onto_spmd_plan(config)
+
+
+def test_fp32_reduce_scatter_false_means_reducing_in_the_compute_dtype(config, tmp_path):
+    settings = {"compute_dtype": "torch.bfloat16", "fp32_reduce_scatter": False}
+    apply_quietly(config, write_json(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_settings": settings}))
+    xla_settings_onto_spmd_plan(config)
+    assert (config.plan.param_dtype, config.plan.reduce_dtype) == ("bfloat16", "bfloat16")

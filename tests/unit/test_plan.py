@@ -8,6 +8,7 @@ import pytest
 from portable_fsdp import plan as plan_lib
 from portable_fsdp import validate
 from portable_fsdp.config import apply_override, base_config
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.plan import MeshSpec, MixedPrecision, ShardingPlan, StateDictType, WrapPolicy, plan_fields
 from tests.unit._helpers import user_error
 
@@ -129,47 +130,94 @@ def test_mixed_precision_enabled(dtypes, enabled):
 
 # ---------------------------------------------------------------- wrap_classes
 
-MODEL_CLASSES = ("LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
-                 "LlamaRMSNorm", "Embedding", "Linear")
+LLAMA_INNER = {
+    "LlamaForCausalLM": ("Embedding", "Linear", "LlamaAttention", "LlamaDecoderLayer", "LlamaMLP", "LlamaModel",
+                         "LlamaRMSNorm"),
+    "LlamaModel": ("Embedding", "Linear", "LlamaAttention", "LlamaDecoderLayer", "LlamaMLP", "LlamaRMSNorm"),
+    "LlamaDecoderLayer": ("Linear", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "LlamaAttention": ("Linear",), "LlamaMLP": ("Linear",), "LlamaRMSNorm": (), "Embedding": (), "Linear": (),
+}
+
+
+def model(no_split=("LlamaDecoderLayer",), inner=None, root="LlamaForCausalLM") -> ModelInfo:
+    """What describe_model reports, for a Llama by default."""
+    inner = LLAMA_INNER if inner is None else inner
+    return ModelInfo(class_names=tuple(sorted(inner)), no_split_modules=tuple(no_split), n_params=0, n_layers=0,
+                     hidden_size=0, vocab_size=0, root_class=root, inner_classes=inner)
+
+
+TINY = {"Tiny": ("Linear",), "Linear": ()}
 
 
 def test_wrap_classes_empty_uses_model_no_split_modules():
-    assert ShardingPlan().wrap_classes(["LlamaDecoderLayer"], MODEL_CLASSES) == ("LlamaDecoderLayer",)
+    assert ShardingPlan().wrap_classes(model()) == ("LlamaDecoderLayer",)
 
 
 def test_wrap_classes_plan_overrides_model():
     plan = ShardingPlan(transformer_layer_cls_to_wrap=("LlamaMLP",))
-    assert plan.wrap_classes(["LlamaDecoderLayer"], MODEL_CLASSES) == ("LlamaMLP",)
+    assert plan.wrap_classes(model()) == ("LlamaMLP",)
 
 
-def test_wrap_classes_unknown_class_lists_model_layers():
+def test_wrap_classes_unknown_class_lists_model_layers_no_split_first():
     plan = ShardingPlan(transformer_layer_cls_to_wrap=("GPT2Block",))
     with user_error("plan.transformer_layer_cls_to_wrap", "the model has no class GPT2Block") as info:
-        plan.wrap_classes(["LlamaDecoderLayer"], MODEL_CLASSES)
-    assert "classes it has: LlamaDecoderLayer" in info.value.message
+        plan.wrap_classes(model())
+    assert info.value.message.endswith("classes it has: LlamaDecoderLayer")
+    with user_error("plan.transformer_layer_cls_to_wrap", "classes it has: LlamaMLP, LlamaDecoderLayer"):
+        plan.wrap_classes(model(no_split=("LlamaMLP",)))
 
 
 def test_wrap_classes_unknown_class_without_layer_names_lists_all():
     plan = ShardingPlan(transformer_layer_cls_to_wrap=("Block",))
     with user_error("plan.transformer_layer_cls_to_wrap", "classes it has: Linear, Tiny"):
-        plan.wrap_classes([], ("Tiny", "Linear", "Linear"))
+        plan.wrap_classes(model(no_split=(), inner=TINY, root="Tiny"))
+
+
+def test_wrapping_the_whole_model_is_refused_before_it_fails_in_a_worker():
+    plan = ShardingPlan(transformer_layer_cls_to_wrap=("LlamaForCausalLM",))
+    with user_error("plan.transformer_layer_cls_to_wrap", (
+            "LlamaForCausalLM is the whole model: one unit gathers every parameter at once and saves no memory; "
+            "wrap its layers instead (classes it has: LlamaDecoderLayer), or set plan.auto_wrap_policy=NO_WRAP")):
+        plan.wrap_classes(model())
+
+
+def test_a_wrapped_class_inside_another_is_refused():
+    plan = ShardingPlan(transformer_layer_cls_to_wrap=("LlamaDecoderLayer", "LlamaMLP"))
+    with user_error("plan.transformer_layer_cls_to_wrap", (
+            "LlamaDecoderLayer contains LlamaMLP: a unit inside another unit is gathered twice; name one of them "
+            "(classes it has: LlamaDecoderLayer")):
+        plan.wrap_classes(model())
+    siblings = ShardingPlan(transformer_layer_cls_to_wrap=("LlamaAttention", "LlamaMLP"))
+    assert siblings.wrap_classes(model()) == ("LlamaAttention", "LlamaMLP")
+
+
+def test_wrapping_single_layers_runs_with_a_warning_about_communication():
+    plan = ShardingPlan(transformer_layer_cls_to_wrap=("Linear",))
+    assert plan.wrap_classes(model()) == ("Linear",)
+    (warning,) = plan.wrap_warnings(model())
+    assert warning.startswith("plan.transformer_layer_cls_to_wrap: Linear holds no other module, so every Linear "
+                              "becomes its own FSDP unit")
+    assert "more communication than wrapping LlamaDecoderLayer" in warning
+    assert ShardingPlan().wrap_warnings(model()) == []
+    assert ShardingPlan(auto_wrap_policy=WrapPolicy.NO_WRAP,
+                        transformer_layer_cls_to_wrap=("Linear",)).wrap_warnings(model()) == []
 
 
 def test_wrap_classes_nothing_to_wrap_with_transformer_policy():
     with user_error("plan.transformer_layer_cls_to_wrap", "declares no _no_split_modules") as info:
-        ShardingPlan().wrap_classes([], ("Tiny", "Linear"))
+        ShardingPlan().wrap_classes(model(no_split=(), inner=TINY, root="Tiny"))
     assert "Linear, Tiny" in info.value.message
 
 
 def test_wrap_classes_nothing_to_wrap_needed_for_activation_checkpointing():
     plan = ShardingPlan(auto_wrap_policy=WrapPolicy.NO_WRAP, activation_checkpointing=True)
     with user_error("plan.transformer_layer_cls_to_wrap", "is empty"):
-        plan.wrap_classes([], ("Tiny",))
+        plan.wrap_classes(model(no_split=(), inner={"Tiny": ()}, root="Tiny"))
 
 
 def test_wrap_classes_nothing_to_wrap_is_fine_without_need():
     plan = ShardingPlan(auto_wrap_policy=WrapPolicy.NO_WRAP)
-    assert plan.wrap_classes([], ("Tiny",)) == ()
+    assert plan.wrap_classes(model(no_split=(), inner={"Tiny": ()}, root="Tiny")) == ()
 
 
 # ---------------------------------------------------------------- helpers

@@ -68,3 +68,35 @@ def test_fsdp_v1_command_on_one_device(tmp_path):
     proc = xla_cli(tmp_path / "run", "--config.plan.xla_fsdp_v2=false", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "xla, 1 rank(s)" in proc.stdout
+
+
+# The TPU fsdp_config of Hugging Face's guide, as TPU users have it (their model's layer class).
+HF_TPU_CONFIG = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla": True,
+                 "xla_fsdp_settings": {"compute_dtype": "bfloat16", "fp32_reduce_scatter": True},
+                 "xla_fsdp_grad_ckpt": True}
+
+
+def hf_tpu_run(tmp_path, *args):
+    fsdp_json = tmp_path / "fsdp.json"
+    fsdp_json.write_text(json.dumps(HF_TPU_CONFIG))
+    return cli(["--fsdp_config", str(fsdp_json), "--nproc", "2", "--config", TEST_RECIPE, "--workdir",
+                str(tmp_path / "run"), *args], cwd=tmp_path, env=ENV)  # --backend auto
+
+
+def test_the_hf_tpu_fsdp_config_chooses_xla_and_names_the_attention_fix(tmp_path):
+    proc = hf_tpu_run(tmp_path)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: plan.param_dtype: bfloat16 under SPMD FSDPv2 is torch_xla's autocast, which does not "
+                      "cover scaled_dot_product_attention (it would get mixed float32/bfloat16 inputs); set "
+                      "model.attn_implementation=eager, or use FSDP v1 (plan.xla_fsdp_v2=false), which casts the "
+                      "parameters"]
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_the_hf_tpu_fsdp_config_trains_on_spmd_fsdpv2(tmp_path):
+    proc = hf_tpu_run(tmp_path, "--config.model.attn_implementation=eager", "--config.train.steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "xla, 2 rank(s)" in proc.stdout  # --backend auto took xla from `xla: true`
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [5]
