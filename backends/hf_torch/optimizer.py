@@ -4,19 +4,18 @@ skipped or refused when the loss or the gradients are not finite."""
 from __future__ import annotations
 
 import torch
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from portable_fsdp.errors import require_finite
 
 
 def adamw_kernel(device_type: str) -> dict:
-    """AdamW's implementation for parameters on `device_type`: the fused kernel where the device has one
-    (cuda), else the multi-tensor (foreach) one. xla gets the single-tensor loop: the fused and foreach
-    kernels reject or mishandle xla tensors. On cpu foreach gives the loop's numbers bit for bit in fewer
-    dispatches; torch's fused cpu kernel rounds differently, so cpu runs would drift from the loop's."""
+    """AdamW's implementation for parameters on `device_type`: the fused kernel on cuda, else the multi-tensor
+    (foreach) one. xla gets the single-tensor loop: the fused and foreach kernels reject or mishandle xla
+    tensors. On cpu foreach gives the loop's numbers bit for bit in fewer dispatches; torch's fused cpu kernel
+    rounds differently, so cpu runs would drift from the loop's."""
     if device_type == "xla":
         return {"foreach": False, "fused": False}
-    if device_type != "cpu" and device_type in _get_fused_kernels_supported_devices():
+    if device_type == "cuda":
         return {"foreach": False, "fused": True}
     return {"foreach": True, "fused": False}
 
