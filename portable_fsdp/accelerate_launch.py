@@ -47,7 +47,8 @@ class LaunchSettings:
     """What the launcher takes from the file and the command line together. `nproc`: local worker processes
     (None: the backend's default). One machine unless `num_machines` > 1: then every machine's launcher joins one
     rendezvous at `main_process_ip:main_process_port` (`rdzv_backend` static: `machine_rank` is the node rank,
-    and machine 0 hosts the store; c10d: the rendezvous assigns node ranks)."""
+    and machine 0 hosts the store; c10d: the rendezvous assigns node ranks). On flax each machine's launcher is
+    one JAX process, `machine_rank` of `num_machines`, and the coordinator is at that address (static only)."""
 
     backend: str = "auto"
     nproc: int | None = None
@@ -103,7 +104,7 @@ def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = N
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         raise UserError(f"{path}: main_process_port", f"must be a port number (got {port!r})")
     if machines > 1:
-        _check_multi_node(backend, machines, ip, path)
+        _check_multi_node(backend, machines, ip, rdzv, path)
         port = port or 29500  # Accelerate's and torchrun's default
     elif ip is not None:
         _warn(path, "main_process_ip", "with num_machines: 1 the workers meet on 127.0.0.1")
@@ -140,17 +141,17 @@ def _backend(data: dict, path: str, backend: str) -> str:
     return wanted or "auto"
 
 
-def _check_multi_node(backend: str, machines: int, ip, path: str) -> None:
-    if backend == "flax":
-        raise UserError(f"{path}: num_machines", (
-            f"= {machines}: --backend flax runs as one process driving this machine's devices (jax.distributed is "
-            "not set up); set num_machines: 1, or use --backend cpu or cuda for several machines"))
+def _check_multi_node(backend: str, machines: int, ip, rdzv: str, path: str) -> None:
     if backend == "xla":
         raise UserError(f"{path}: num_machines", (
             f"= {machines}: the xla backend's launcher starts one host; set num_machines: 1"))
     if not ip:
         raise UserError(f"{path}: main_process_ip", (
             f"num_machines: {machines} needs main_process_ip, the address of the machine with machine_rank 0"))
+    if backend == "flax" and rdzv != "static":
+        raise UserError(f"{path}: rdzv_backend", (
+            f"{rdzv}: --backend flax joins jax.distributed with machine_rank as the process id, which {rdzv} does not "
+            "keep; write rdzv_backend: static"))
 
 
 def _warn_ignored(data: dict, path: str) -> None:

@@ -66,7 +66,7 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
         xla_settings_onto_spmd_plan(config)  # before the workers get the config
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
     if backend_name == "flax":
-        return _start_jax(config, spec, workdir, nproc)
+        return _start_jax(config, spec, workdir, nproc, nodes or LaunchSettings())
     if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)
         from portable_fsdp.backends.xla.launch import start as start_xla
 
@@ -83,16 +83,21 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     return _elastic_launch(spec, nproc, nodes)
 
 
-def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int) -> dict:
+def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings) -> dict:
     """JAX: one process drives `nproc` devices (host CPU devices unless JAX_PLATFORMS names others), so no
-    launcher; the plan's world size is the device count. Host devices are set up before jax is imported."""
+    launcher; the plan's world size is the device count. Host devices are set up before jax is imported. On
+    several machines each machine's launcher is one JAX process (machine_rank of num_machines, meeting at
+    main_process_ip:main_process_port) and the world is every machine's devices."""
     if under_torchrun():
         raise UserError("--backend", "flax runs as one process driving every device; start it without torchrun")
-    from portable_fsdp.backends.flax.devices import configure_host_devices, platform
+    from portable_fsdp.backends.flax.devices import configure_host_devices, join, platform
 
     configure_host_devices(nproc)
-    preflight(config, "flax", nproc, workdir, device=platform())
-    os.environ.update(RANK="0", WORLD_SIZE=str(nproc))
+    world_size = nproc * nodes.num_machines
+    preflight(config, "flax", world_size, workdir, device=platform())
+    if nodes.multi_node:
+        join(f"{nodes.main_process_ip}:{nodes.main_process_port}", nodes.num_machines, nodes.machine_rank)
+    os.environ.update(RANK=str(nodes.machine_rank), WORLD_SIZE=str(world_size))
     return worker.main(spec)
 
 

@@ -15,20 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib
+from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes
 from portable_fsdp import checkpointing
 from portable_fsdp.backends.flax.step import TrainState, place
 
 
 
 def save_checkpoint(state: TrainState, directory: pathlib.Path) -> None:
+    """Several processes: every one gathers the weights and moments (a collective), process 0 alone writes."""
     directory = pathlib.Path(directory)
     arch = state.ctx.model_def.arch
-    convert.write_safetensors(_to_host(state.params), arch, directory / checkpointing.WEIGHTS)
+    weights, optimizer_state = _to_host(state.params), _torch_optimizer_state(state)
+    if jax.process_index() != 0:
+        return
+    convert.write_safetensors(weights, arch, directory / checkpointing.WEIGHTS)
     _write_hf_config(state.ctx.hf_config, directory)
     import torch
 
-    torch.save(_torch_optimizer_state(state), directory / checkpointing.OPTIMIZER)
+    torch.save(optimizer_state, directory / checkpointing.OPTIMIZER)
 
 
 def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
@@ -45,6 +49,8 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
 
 
 def _to_host(tree: dict) -> dict:
+    if processes.several():  # arrays sharded over machines: gathered whole on every process
+        return {name: np.asarray(value) for name, value in processes.gather(tree).items()}
     return {name: np.asarray(jax.device_get(value)) for name, value in tree.items()}
 
 

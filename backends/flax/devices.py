@@ -1,8 +1,10 @@
-"""The JAX devices of a single-process run.
+"""The JAX devices of a run: one process, or one process per machine (an Accelerate YAML's num_machines).
 
 XLA reads its platform and host-device count once, when jax is first imported, so the launcher calls
 `configure_host_devices` before anything imports jax: one process then drives N CPU devices, the
 stand-in for N accelerators. A JAX_PLATFORMS the user already set (e.g. cuda, tpu) is respected.
+On several machines each launcher then `join`s JAX's multi-process runtime before any device is touched:
+`jax.devices()` becomes every machine's devices, and the lowering's programs span them all.
 """
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ def configure_host_devices(count: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICE_COUNT_FLAG)]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"])
+
+
+def join(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """This machine's process becomes `process_id` of `num_processes` (jax.distributed; the coordinator runs in
+    process 0). Host CPU devices reach each other's over gloo, which must be chosen before the CPU client exists."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
 
 
 def platform() -> str:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp import host_memory
+from portable_fsdp.backends.flax import processes
 
 if TYPE_CHECKING:
     from portable_fsdp.backends.flax.step import TrainState
@@ -34,12 +35,18 @@ def memory_now_mb(device) -> float:
     return stats.get("bytes_in_use", 0) / 2**20 if stats else host_memory.resident_mb()
 
 
+def reported_devices(mesh) -> list:
+    """The devices memory is reported for: every device of the mesh, or this process's when there are several
+    (another machine's memory cannot be read from here)."""
+    return processes.local_devices(mesh) if processes.several() else list(mesh.devices.flat)
+
+
 def memory_report(state: TrainState) -> dict:
-    """Per-device MiB, the keys of MEMORY_KEYS. Host CPU devices share this process's memory, so there mem_mb,
+    """Per-device MiB (this process's devices), the keys of MEMORY_KEYS. Host CPU devices share this process's memory, so there mem_mb,
     peak_mem_mb, base_mem_mb (before the model existed) and shm_mb are the process's (the same number for every
     device); state_mb (parameters and optimizer state) and grad_mb (one gradient per parameter shard, held
     during a step, counted rather than read) are what each device holds."""
-    devices = list(state.ctx.mesh.devices.flat)
+    devices = reported_devices(state.ctx.mesh)
     held = _bytes_per_device(jax.tree.leaves((state.params, state.opt_state)))
     grads = _bytes_per_device(jax.tree.leaves(state.params))  # the flax lowering trains every parameter
     current, peak, shared = [], [], []

@@ -4,6 +4,10 @@ One process drives every device of the mesh, so it reads the whole global batch 
 and the jitted programs split it over the devices: rows over fsdp, the sequence over cp. The initial
 weights are the torch backends' (the same seeded transformers model, converted). Losses are
 Σ token losses / Σ label tokens of the whole accumulated batch, counted on the host before any split.
+
+On several machines (one JAX process each, `jax.process_count() > 1`) the mesh spans every machine's
+devices and each process reads its own rows of the global batch (processes.py): label tokens are summed
+over processes, and eval and predict results are global on every process.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, model as model_lib,
-                                         optimizer as optimizer_lib, programs as programs_lib, resources,
-                                         sharding)
+                                         optimizer as optimizer_lib, processes, programs as programs_lib,
+                                         resources, sharding)
 from portable_fsdp.data.loader import Batch
 from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
@@ -53,10 +57,10 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
-    baseline_mb = tuple(resources.memory_now_mb(device) for device in devices)
+    mesh = sharding.build_mesh(plan.mesh, devices)
+    baseline_mb = tuple(resources.memory_now_mb(device) for device in resources.reported_devices(mesh))
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
-    mesh = sharding.build_mesh(plan.mesh, devices)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh)
     params = place(host_params, param_sharding)
     optimizer = optimizer_lib.build(config.train)
@@ -93,12 +97,15 @@ def _positions(batch: Batch) -> np.ndarray:
 
 def _on_devices(arrays: list, mesh, leading_axes: int) -> list:
     target = sharding.batch_sharding(mesh, leading_axes)
-    return [jax.device_put(np.ascontiguousarray(a, dtype=np.int32), target) for a in arrays]
+    put = processes.to_global if processes.several() else jax.device_put  # several: this process's rows
+    return [put(np.ascontiguousarray(a, dtype=np.int32), target) for a in arrays]
 
 
 def train_step(state: TrainState, micro_batches: list) -> tuple:
     ctx = state.ctx
     tokens = sum(b.num_label_tokens for b in micro_batches)
+    if processes.several():
+        tokens = processes.total(tokens)
     stacked = [np.stack(parts) for parts in zip(*[(b.input_ids, b.labels, _positions(b)) for b in micro_batches])]
     lr = ctx.schedule(state.step)
     params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
@@ -110,8 +117,9 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
 
 
 def count_label_tokens(state: TrainState, batch: Batch) -> int:
-    """num_items_in_batch: this process reads the whole global batch, before any sharding."""
-    return batch.num_label_tokens
+    """num_items_in_batch: this process reads the whole global batch, before any sharding (several processes:
+    the sum of their rows')."""
+    return processes.total(batch.num_label_tokens) if processes.several() else batch.num_label_tokens
 
 
 def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
@@ -123,25 +131,32 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
 def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
     """Argmax predictions of the global batch (and its labels), full length, in order, as numpy."""
     input_ids, positions = _on_devices([batch.input_ids, _positions(batch)], state.ctx.mesh, 0)
-    out = {k: np.asarray(v) for k, v in state.ctx.programs.predict(state.params, input_ids, positions,
-                                                                    return_logits).items()}
+    out = state.ctx.programs.predict(state.params, input_ids, positions, return_logits)
+    several = processes.several()
+    out = processes.gather(out) if several else {k: np.asarray(v) for k, v in out.items()}
     out["predictions"] = out["predictions"].astype(np.int64)
     if batch.labels is not None:
-        out["labels"] = batch.labels
+        out["labels"] = processes.gather(batch.labels) if several else batch.labels
     return out
 
 
 def placement(state: TrainState) -> Placement:
-    return Placement(rank=0, world_size=state.ctx.mesh.devices.size, dp_rank=0, dp_size=1)
+    world_size = state.ctx.mesh.devices.size
+    if processes.several():
+        dp_rank, dp_size = processes.data_slice(state.ctx.mesh)
+        return Placement(rank=jax.process_index(), world_size=world_size, dp_rank=dp_rank, dp_size=dp_size)
+    return Placement(rank=0, world_size=world_size, dp_rank=0, dp_size=1)
 
 
 def barrier(state: TrainState) -> None:
     """One process: nothing to wait for (device work is awaited where results are read)."""
+    if processes.several():
+        processes.barrier()
 
 
 def any_rank(state: TrainState, flag: bool) -> bool:
-    """One process sees every signal itself: nothing to agree on."""
-    return flag
+    """One process sees every signal itself: nothing to agree on (several: whether any process saw it)."""
+    return processes.anyone(flag) if processes.several() else flag
 
 
 def model_info(state: TrainState) -> ModelInfo:
@@ -149,4 +164,6 @@ def model_info(state: TrainState) -> ModelInfo:
 
 
 def finalize(state: TrainState | None = None) -> None:
-    """Nothing to tear down: no process group, and device buffers go with the process."""
+    """Nothing to tear down on one process: device buffers go with it. Several leave jax.distributed together."""
+    if processes.several():
+        jax.distributed.shutdown()

@@ -92,6 +92,15 @@ def test_multi_node_static(tmp_path):
     assert settings.multi_node and warned == []
 
 
+def test_multi_node_flax(tmp_path):
+    """flax: each machine's launcher is one JAX process, machine_rank of num_machines, driving nproc devices."""
+    path = write(tmp_path, num_processes=8, num_machines=2, machine_rank=1, main_process_ip="10.0.0.4")
+    settings, warned = read(path, backend="flax")
+    assert settings == LaunchSettings(backend="flax", nproc=4, num_machines=2, machine_rank=1,
+                                      main_process_ip="10.0.0.4", main_process_port=29500, rdzv_backend="static")
+    assert warned == []
+
+
 def test_multi_node_default_port_and_c10d(tmp_path):
     path = write(tmp_path, num_machines=2, machine_rank=1, main_process_ip="10.0.0.4", rdzv_backend="c10d")
     settings, warned = read(path)
@@ -181,9 +190,9 @@ REFUSED = [
     ({"distributed_type": "MEGATRON_LM"}, {},
      "distributed_type: MEGATRON_LM is not run by portable_fsdp; write distributed_type: FSDP (with the fsdp_config "
      "section), or XLA for torch_xla"),
-    ({"num_machines": 2, "main_process_ip": "10.0.0.4"}, {"backend": "flax"},
-     "num_machines: = 2: --backend flax runs as one process driving this machine's devices (jax.distributed is "
-     "not set up); set num_machines: 1, or use --backend cpu or cuda for several machines"),
+    ({"num_machines": 2, "main_process_ip": "10.0.0.4", "rdzv_backend": "c10d"}, {"backend": "flax"},
+     "rdzv_backend: c10d: --backend flax joins jax.distributed with machine_rank as the process id, which c10d "
+     "does not keep; write rdzv_backend: static"),
     ({"num_machines": 2, "main_process_ip": "10.0.0.4", "distributed_type": "XLA"}, {},
      "num_machines: = 2: the xla backend's launcher starts one host; set num_machines: 1"),
     ({"num_machines": 2}, {},
