@@ -141,10 +141,15 @@ def _backend(data: dict, path: str, backend: str) -> str:
     return wanted or "auto"
 
 
+def refuse_multi_node_xla(path: str, machines: int) -> None:
+    """The xla backend's launcher starts one host (also when --backend auto resolves to xla only later)."""
+    raise UserError(f"{path}: num_machines", (
+        f"= {machines}: the xla backend's launcher starts one host; set num_machines: 1"))
+
+
 def _check_multi_node(backend: str, machines: int, ip, rdzv: str, path: str) -> None:
     if backend == "xla":
-        raise UserError(f"{path}: num_machines", (
-            f"= {machines}: the xla backend's launcher starts one host; set num_machines: 1"))
+        refuse_multi_node_xla(path, machines)
     if not ip:
         raise UserError(f"{path}: main_process_ip", (
             f"num_machines: {machines} needs main_process_ip, the address of the machine with machine_rank 0"))

@@ -208,6 +208,10 @@ RULES = (
         "flax": XLA_SCHEDULES}),
     Rule("plan.auto_wrap_policy", (("plan.auto_wrap_policy", IsNot("TRANSFORMER_BASED_WRAP")),), {
         "flax": XLA_SCHEDULES}),
+    Rule("plan.min_num_params", (("plan.min_num_params", Above(0)),
+                                 ("plan.auto_wrap_policy", IsNot("SIZE_BASED_WRAP"))), dict.fromkeys(
+        TARGETS, NoEffect("it is read by plan.auto_wrap_policy=SIZE_BASED_WRAP only; set that policy to wrap by "
+                          "size"))),
     Rule("plan.auto_wrap_policy", (("plan.auto_wrap_policy", Is("NO_WRAP")),), dict.fromkeys(
         (*TORCH, *XLA), Caution("the whole model is one FSDP unit, so every parameter is gathered at once and "
                                 "sharding saves no memory at compute time"))),

@@ -18,15 +18,15 @@ NO_OP_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_
               "limit_all_gathers", "sharded_state_dict_type", "offload_params_to_cpu")
 # FSDP1's ShardingStrategy, by name or by its number in older files -> FSDP2's reshard_after_forward.
 SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
-STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "_HYBRID_SHARD_ZERO2"}
+STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2"}
 STRATEGIES_WITHOUT_EQUIVALENT = {
     "NO_SHARD": "keeps a whole copy of the model on every rank (DDP); FSDP2 shards: use FULL_SHARD "
                 "(reshard_after_forward: true) or SHARD_GRAD_OP (reshard_after_forward: false)",
     "HYBRID_SHARD": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does not "
                     "offer; use FULL_SHARD (reshard_after_forward: true), which shards over every rank",
-    "_HYBRID_SHARD_ZERO2": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does "
-                           "not offer; use SHARD_GRAD_OP (reshard_after_forward: false), which shards over every "
-                           "rank",
+    "HYBRID_SHARD_ZERO2": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does "
+                          "not offer; use SHARD_GRAD_OP (reshard_after_forward: false), which shards over every "
+                          "rank",
 }
 # Hugging Face TrainingArguments' `fsdp` option words (--fsdp "full_shard auto_wrap offload").
 FSDP_OPTION_WORDS = {"full_shard": ("plan.reshard_after_forward", True),
@@ -130,7 +130,7 @@ def reshard_for_strategy(value, source: str):
     name, or that strategy's number (1-5). A strategy FSDP2 has no meaning for is a UserError."""
     if isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false")):
         return value
-    name = STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else str(value).upper()
+    name = STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else str(value).upper().lstrip("_")
     if name in SHARDING_STRATEGIES:
         return SHARDING_STRATEGIES[name]
     if name in STRATEGIES_WITHOUT_EQUIVALENT:
@@ -142,6 +142,9 @@ def reshard_for_strategy(value, source: str):
 
 def apply_fsdp_option(config, text: str) -> None:
     """Hugging Face TrainingArguments' `fsdp` string, e.g. "full_shard auto_wrap offload" (--fsdp)."""
+    strategies = [word for word in text.split() if word in ("full_shard", "shard_grad_op")]
+    if len(strategies) > 1:
+        raise UserError("--fsdp", f"names two sharding strategies ({' and '.join(strategies)}); keep one")
     for word in text.split():
         source = f"--fsdp: {word}"
         if word.upper() in STRATEGIES_WITHOUT_EQUIVALENT:
@@ -171,8 +174,11 @@ def xla_settings_onto_spmd_plan(config) -> None:
         fp32 = settings.pop("fp32_reduce_scatter")
         if not isinstance(fp32, bool):
             raise UserError(field, f"key 'fp32_reduce_scatter' must be true or false (got {fp32!r})")
-        set_field(config, "plan.reduce_dtype", "float32" if fp32 else config.plan.param_dtype,
-                  f"{field}: fp32_reduce_scatter")
+        reduce_dtype = "float32" if fp32 else config.plan.param_dtype
+        if config.plan.reduce_dtype not in ("float32", reduce_dtype):
+            raise UserError(field, f"key 'fp32_reduce_scatter' = {str(fp32).lower()} contradicts plan.reduce_dtype="
+                            f"{config.plan.reduce_dtype}; set one of them")
+        set_field(config, "plan.reduce_dtype", reduce_dtype, f"{field}: fp32_reduce_scatter")
     set_field(config, field, settings, field)
 
 

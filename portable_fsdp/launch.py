@@ -42,7 +42,7 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str) -> None:
     resume = config.train.resume
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{os.getpid()}"
+        probe = workdir / f".write-test-{socket.gethostname()}-{os.getpid()}"  # machines may share it
         probe.write_text("")
         probe.unlink()
     except OSError as err:

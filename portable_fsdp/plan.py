@@ -181,7 +181,7 @@ class ShardingPlan:
                 f"{model.root_class} is the whole model: one unit gathers every parameter at once and saves no "
                 f"memory; wrap its layers instead ({_classes_it_has(model)}), or set plan.auto_wrap_policy=NO_WRAP"))
         nested = [(outer, inner) for outer in wanted for inner in wanted
-                  if inner in model.inner_classes.get(outer, ())]
+                  if outer != inner and inner in model.inner_classes.get(outer, ())]
         if nested:
             outer, inner = nested[0]
             raise UserError(field, (

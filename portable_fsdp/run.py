@@ -62,7 +62,12 @@ def tpu_visible() -> bool:
     """A Cloud TPU VM, seen without importing torch_xla: PJRT_DEVICE=TPU, or the TPU chips' device files."""
     import glob
 
-    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or bool(glob.glob("/dev/accel[0-9]*"))
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or glob.glob("/dev/accel[0-9]*"):
+        return True
+    # Newer TPU VMs (v5e, v5p, v6e) expose their chips through VFIO: Google's PCI vendor id is 0x1ae0.
+    vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
+    return bool(glob.glob("/dev/vfio/[0-9]*")) and any(pathlib.Path(v).read_text().strip() == "0x1ae0"
+                                                       for v in vendors)
 
 
 def resolve_backend(name: str, config=None) -> str:
@@ -116,6 +121,8 @@ def main(argv=None) -> int:
         warnings.formatwarning = format_warning
         nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
         backend = resolve_backend(nodes.backend, config)
+        if nodes.multi_node and backend == "xla":  # auto may resolve to xla only now (xla: true, a TPU)
+            accelerate_launch.refuse_multi_node_xla(args.fsdp_config, nodes.num_machines)
         backends.load(backend)
         nproc = nodes.nproc if nodes.nproc is not None else default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem

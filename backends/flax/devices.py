@@ -24,14 +24,24 @@ def configure_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"{HOST_DEVICE_COUNT_FLAG}={count}"])
 
 
+JOIN_TIMEOUT_S = 300  # how long a machine waits for the others to start
+
+
 def join(coordinator_address: str, num_processes: int, process_id: int) -> None:
     """This machine's process becomes `process_id` of `num_processes` (jax.distributed; the coordinator runs in
     process 0). Host CPU devices reach each other's over gloo, which must be chosen before the CPU client exists."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=JOIN_TIMEOUT_S)
+    except Exception as err:  # jax raises its runtime's errors (a timeout, a refused connection) as is
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError("main_process_ip", (
+            f"machine {process_id} could not join the {num_processes} machines at {coordinator_address} within "
+            f"{JOIN_TIMEOUT_S} s ({first[:200]}); start every machine's command, with the same main_process_ip "
+            "and main_process_port")) from None
 
 
 def platform() -> str:

@@ -211,3 +211,17 @@ def test_wrapping_single_layers_warns_once_at_start_up(tmp_path):
     with pytest.warns(UserWarning, match="Linear holds no other module, so every Linear becomes its own FSDP unit"):
         plan = launch.preflight(config, "cpu", 2, tmp_path / "w")
     assert plan.transformer_layer_cls_to_wrap == ("Linear",)
+
+
+def test_several_machines_are_refused_when_auto_resolves_to_xla(capsys, tmp_path):
+    """`xla: true` in the file makes --backend auto take xla only after the launch keys were read: several
+    machines are refused there too, not run as separate single-host jobs."""
+    yaml = tmp_path / "tpu.yaml"
+    yaml.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                    "  xla: true\nmachine_rank: 0\nmain_process_ip: 127.0.0.1\nmain_process_port: 29555\n"
+                    "num_machines: 2\nnum_processes: 2\n")
+    code, err = run_main(capsys, "--fsdp_config", str(yaml), "--workdir", str(tmp_path / "w"))
+    assert code == 2
+    assert err[-1] == (f"error: {yaml}: num_machines: = 2: the xla backend's launcher starts one host; set "
+                       "num_machines: 1")
+    assert not (tmp_path / "w").exists()

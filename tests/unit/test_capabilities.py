@@ -73,6 +73,8 @@ WITHOUT_EFFECT = [
     ("cpu", {"plan.xla": "true", "plan.xla_fsdp_settings": '{"compute_dtype": "bfloat16"}', "plan.xla_fsdp_v2": "false"},
      None, ["plan.xla", "plan.xla_fsdp_settings", "plan.xla_fsdp_v2"]),
     ("flax", {"plan.cpu_offload": "true"}, "cpu", []),  # host memory already: honoured by construction
+    ("cpu", {"plan.min_num_params": "1000"}, None, ["plan.min_num_params"]),  # read by SIZE_BASED_WRAP only
+    ("xla", {"plan.min_num_params": "1000", "plan.auto_wrap_policy": "SIZE_BASED_WRAP"}, "CPU", []),
     ("cpu", {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": "false"}, None, []),
     ("cpu", {"plan.cpu_collectives": "gloo", "plan.cpu_offload": "true"}, None, []),
 ]

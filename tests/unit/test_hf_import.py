@@ -125,7 +125,8 @@ def test_fsdp1_sharding_strategy(config, tmp_path, strategy, reshard):
 
 @pytest.mark.parametrize("strategy, label, fix", [
     ("HYBRID_SHARD", "HYBRID_SHARD", "use FULL_SHARD (reshard_after_forward: true)"),
-    ("_HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),
+    ("HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),  # Accelerate's
+    ("_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),  # torch's
     ("NO_SHARD", "NO_SHARD", "keeps a whole copy of the model on every rank (DDP)"),
     (3, "3 (NO_SHARD)", "use FULL_SHARD (reshard_after_forward: true) or SHARD_GRAD_OP"),
     (4, "4 (HYBRID_SHARD)", "(HSDP), which portable_fsdp does not offer"),
@@ -186,7 +187,7 @@ def test_accelerate_fsdp1_yaml_strategy_in_reshard_after_forward(config, tmp_pat
     assert plan.mixed_precision == MixedPrecision("bfloat16", "float32")
 
 
-@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (5, "5 (_HYBRID_SHARD_ZERO2)"),
+@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (5, "5 (HYBRID_SHARD_ZERO2)"),
                                               ("EVERYTHING", "unknown sharding strategy 'EVERYTHING'"),
                                               (7, "unknown sharding strategy 7")])
 def test_accelerate_fsdp1_yaml_strategy_without_equivalent(config, tmp_path, strategy, phrase):
@@ -476,3 +477,17 @@ def test_fp32_reduce_scatter_false_means_reducing_in_the_compute_dtype(config, t
     apply_quietly(config, write_json(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_settings": settings}))
     xla_settings_onto_spmd_plan(config)
     assert (config.plan.param_dtype, config.plan.reduce_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_trainer_fsdp_option_string_with_two_strategies(config):
+    with user_error("--fsdp", "names two sharding strategies (full_shard and shard_grad_op); keep one"):
+        apply_fsdp_option(config, "full_shard shard_grad_op auto_wrap")
+    with user_error("--fsdp: hybrid_shard_zero2", "use SHARD_GRAD_OP"):
+        apply_fsdp_option(config, "hybrid_shard_zero2 auto_wrap")
+
+
+def test_fp32_reduce_scatter_contradicting_the_plan_names_both(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    config.plan.reduce_dtype = "bfloat16"
+    with user_error("plan.xla_fsdp_settings", "key 'fp32_reduce_scatter' = true contradicts plan.reduce_dtype=bfloat16"):
+        xla_settings_onto_spmd_plan(config)
