@@ -51,17 +51,17 @@ def start(args):
                             env={**os.environ, "USE_TORCH_XLA": "0", **ENV})
 
 
-def test_two_machines_match_one(tmp_path):
-    """machine_rank 0 and 1 of num_machines 2 (static rendezvous at 127.0.0.1), sharing one workdir as two
-    machines share a disk: the losses of `--nproc 2` on one machine, bit for bit; rank 0 alone writes metrics."""
+def run_two_machines(tmp_path, args: list, shared) -> list:
+    """Two launchers, machine_rank 0 and 1 of num_machines 2 (a static rendezvous at 127.0.0.1), each with its
+    own copy of the YAML and the same --workdir (as two machines share a disk); both must exit 0. Returns their
+    (stdout, stderr); both process groups are killed on a timeout."""
     port = free_port()
-    shared = tmp_path / "shared"
     nodes = []
-    for rank in (0, 1):  # each machine's own copy of the file
+    for rank in (0, 1):
         (tmp_path / f"machine{rank}").mkdir()
         nodes.append(write(tmp_path / f"machine{rank}", num_processes=2, num_machines=2, machine_rank=rank,
                            mixed_precision="'no'", main_process_ip="127.0.0.1", main_process_port=port))
-    procs = [start([*ARGS, "--fsdp_config", node, "--workdir", str(shared)]) for node in nodes]
+    procs = [start([*args, "--fsdp_config", node, "--workdir", str(shared)]) for node in nodes]
     try:
         outputs = [proc.communicate(timeout=400) for proc in procs]
     finally:
@@ -70,6 +70,14 @@ def test_two_machines_match_one(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
+    return outputs
+
+
+def test_two_machines_match_one(tmp_path):
+    """machine_rank 0 and 1 of num_machines 2 (static rendezvous at 127.0.0.1), sharing one workdir as two
+    machines share a disk: the losses of `--nproc 2` on one machine, bit for bit; rank 0 alone writes metrics."""
+    shared = tmp_path / "shared"
+    outputs = run_two_machines(tmp_path, ARGS, shared)
     assert "cpu, 2 rank(s)" in outputs[0][0] and outputs[1][0] == ""  # machine 1 prints no summary
     one = tmp_path / "one"
     single = write(tmp_path, num_processes=2, mixed_precision="'no'")
@@ -88,22 +96,8 @@ def test_flax_on_two_machines_matches_one(tmp_path):
     driving 2 devices (`--nproc 2`), within 1e-6 relative (measured: identical); machine 0 alone writes metrics
     and the FULL checkpoint, of the same weights."""
     args = [*ARGS, "--backend", "flax", "--config.train.compute_metrics=token_accuracy"]
-    port = free_port()
     shared = tmp_path / "shared"
-    nodes = []
-    for rank in (0, 1):
-        (tmp_path / f"machine{rank}").mkdir()
-        nodes.append(write(tmp_path / f"machine{rank}", num_processes=2, num_machines=2, machine_rank=rank,
-                           mixed_precision="'no'", main_process_ip="127.0.0.1", main_process_port=port))
-    procs = [start([*args, "--fsdp_config", node, "--workdir", str(shared)]) for node in nodes]
-    try:
-        outputs = [proc.communicate(timeout=400) for proc in procs]
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
+    outputs = run_two_machines(tmp_path, args, shared)
     own = [line for line in outputs[1][0].splitlines() if not line.startswith("[Gloo]")]  # gloo's connection line
     assert "flax, 2 rank(s)" in outputs[0][0] and own == []  # machine 1 prints no summary
     one = tmp_path / "one"
