@@ -13,7 +13,7 @@ import time
 from portable_fsdp import checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
-from portable_fsdp.errors import Interrupted
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.interrupts import InterruptFlag
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
@@ -39,11 +39,18 @@ def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict
     state = backend.init(config, plan, backend_name)
     interrupt = InterruptFlag().install() if config.train.save_on_interrupt else None
     try:
-        return _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt)
+        result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt)
+    except (UserError, TrainingDiverged, Interrupted):
+        backend.finalize(state)  # every rank stops here together: leave the process group cleanly
+        raise
     finally:
         if interrupt:
             interrupt.uninstall()
-        backend.finalize(state)
+    # An unexpected error skips finalize: tearing the process group down would let the other ranks fail on the
+    # closed connection before this rank's error is recorded (and a collective left half-done may hang the
+    # teardown); the process exits instead, and the launcher names this rank.
+    backend.finalize(state)
+    return result
 
 
 def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> dict:
