@@ -6,7 +6,6 @@ import pytest
 
 from tests.conftest import cli
 from tests.parity import families
-from tests.parity.reference import max_relative_difference
 
 SLOW = pytest.mark.slow
 FAMILIES = [pytest.param(f, marks=() if f in ("qwen2", "mixtral") else SLOW) for f in families.FAMILIES]
@@ -15,11 +14,7 @@ FAMILIES = [pytest.param(f, marks=() if f in ("qwen2", "mixtral") else SLOW) for
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_like_plain_torch_on_cpu(family, tmp_path, tmp_path_factory):
     model = families.saved(tmp_path_factory, family)
-    proc = cli(["--backend", "cpu", "--nproc", "2", *families.cli_args(model, tmp_path / "run")], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = families.losses(tmp_path / "run")
-    assert len(losses) == families.STEPS
-    assert max_relative_difference(losses, families.reference(model)) <= families.RTOL
+    families.assert_trains_like_plain_torch("cpu", model, tmp_path)
 
 
 def refused(tmp_path, backend: str, model, extra: dict) -> str:

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import cli
 from tests.flax.test_model import FP32_LOGIT_TOLERANCE, flax_logits, torch_logits
 from tests.parity import families
-from tests.parity.reference import max_relative_difference
 
 WINDOWED = {"qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),  # layer 1 only
             "mistral": dict(sliding_window=16)}
@@ -38,8 +36,4 @@ def test_logits_equal_transformers(family):
 @pytest.mark.parametrize("family", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow)])
 def test_family_trains_like_plain_torch_on_flax(family, tmp_path, tmp_path_factory):
     model = families.saved(tmp_path_factory, family)
-    proc = cli(["--backend", "flax", "--nproc", "2", *families.cli_args(model, tmp_path / "run")], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = families.losses(tmp_path / "run")
-    assert len(losses) == families.STEPS
-    assert max_relative_difference(losses, families.reference(model)) <= families.RTOL
+    families.assert_trains_like_plain_torch("flax", model, tmp_path)

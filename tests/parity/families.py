@@ -84,3 +84,16 @@ def losses(workdir) -> list:
     from tests.conftest import read_metrics
 
     return [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+
+
+def assert_trains_like_plain_torch(backend: str, model_dir, tmp_path, env: dict | None = None) -> None:
+    """`python -m portable_fsdp.run --backend BACKEND --nproc 2` on the model: its first STEPS losses are the
+    plain-torch reference's within RTOL."""
+    from tests.conftest import cli
+    from tests.parity.reference import max_relative_difference
+
+    proc = cli(["--backend", backend, "--nproc", "2", *cli_args(model_dir, tmp_path / "run")], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = losses(tmp_path / "run")
+    assert len(trained) == STEPS
+    assert max_relative_difference(trained, reference(model_dir)) <= RTOL
