@@ -61,6 +61,13 @@ class ModelInfo:
     attention_dropout: float = 0.0
     attention_dropout_key: str = ""
     sliding_window: int = 0
+    # What the mesh checks divide (portable_fsdp/mesh_fit.py): attention and key/value heads, the experts of a
+    # MoE layer (0: a dense model), and the model's own tensor-parallel plan (transformers' base_model_tp_plan:
+    # module pattern -> colwise, rowwise, ...; empty when the family ships none).
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    num_experts: int = 0
+    tp_plan: dict = dataclasses.field(default_factory=dict)
 
 
 class StepMetrics(TypedDict):

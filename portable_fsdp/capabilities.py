@@ -159,16 +159,12 @@ CP_DROPOUT = ("= {value} (the model's {model.attention_dropout_key}): the portab
               "plan.cp_size=1")
 
 RULES = (
-    # ---- mesh axes no lowering has
-    Rule("plan.tp_size", (("plan.tp_size", Above(1)),), _refused_everywhere(
-        "tensor parallelism (tp_size={value}) is not available on --backend {target}; set plan.tp_size=1 and "
-        "shard over plan.fsdp_size (with plan.cp_size for long sequences)")),
-    Rule("plan.ep_size", (("plan.ep_size", Above(1)),), _refused_everywhere(
-        "expert parallelism (ep_size={value}) is not available on --backend {target}; set plan.ep_size=1 "
-        "(experts are then sharded over plan.fsdp_size like every other weight)")),
-    Rule("plan.sp_size", (("plan.sp_size", Above(1)),), _refused_everywhere(
-        "Ulysses sequence parallelism (sp_size={value}) is not available on --backend {target}; set "
-        "plan.sp_size=1 and use context parallelism (plan.cp_size) to split long sequences")),
+    # ---- the mesh axes besides fsdp and cp (what must divide what: portable_fsdp/mesh_fit.py)
+    *(Rule(f"plan.{axis}_size", ((f"plan.{axis}_size", Above(1)),), {"xla_v1": Refused(
+        f"= {{value}}: FSDP v1 (XlaFullyShardedDataParallel) shards over one axis and cannot {does}; use SPMD "
+        f"FSDPv2 (plan.xla_fsdp_v2=true), where it is a named mesh axis, or set plan.{axis}_size=1")})
+      for axis, does in (("tp", "split layers"), ("sp", "split sequences"), ("ep", "split experts"),
+                         ("dp_replicate", "replicate shards"))),
     # ---- context parallelism
     Rule("plan.cp_size", (("plan.cp_size", Above(1)),), {"xla_v1": Refused(
         "= {value}: FSDP v1 (XlaFullyShardedDataParallel) cannot split sequences; use SPMD FSDPv2 "

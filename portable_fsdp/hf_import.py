@@ -16,17 +16,14 @@ PLAN_KEYS = {key: field.name for field in plan_fields() for key in field.hf_keys
 # FSDP1 knobs that FSDP2 does by itself or has no use for: accepted so existing files load, with a warning.
 NO_OP_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
               "limit_all_gathers", "sharded_state_dict_type", "offload_params_to_cpu")
-# FSDP1's ShardingStrategy, by name or by its number in older files -> FSDP2's reshard_after_forward.
-SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+# FSDP1's ShardingStrategy, by name or by its number in older files -> FSDP2's reshard_after_forward. The hybrid
+# ones also replicate across machines (HSDP: plan.dp_replicate_size = the number of machines).
+SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2"}
 STRATEGIES_WITHOUT_EQUIVALENT = {
     "NO_SHARD": "keeps a whole copy of the model on every rank (DDP); FSDP2 shards: use FULL_SHARD "
                 "(reshard_after_forward: true) or SHARD_GRAD_OP (reshard_after_forward: false)",
-    "HYBRID_SHARD": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does not "
-                    "offer; use FULL_SHARD (reshard_after_forward: true), which shards over every rank",
-    "HYBRID_SHARD_ZERO2": "shards within a node and replicates across nodes (HSDP), which portable_fsdp does "
-                          "not offer; use SHARD_GRAD_OP (reshard_after_forward: false), which shards over every "
-                          "rank",
 }
 # Hugging Face TrainingArguments' `fsdp` option words (--fsdp "full_shard auto_wrap offload").
 FSDP_OPTION_WORDS = {"full_shard": ("plan.reshard_after_forward", True),
@@ -70,7 +67,8 @@ def apply_accelerate_yaml(config, data: dict, path: str) -> None:
     fsdp = data.get("fsdp_config")
     if not isinstance(fsdp, dict) or not fsdp:
         raise UserError("--fsdp_config", f"{path} has no fsdp_config section; is it an Accelerate FSDP config?")
-    apply_fsdp_dict(config, fsdp, path)
+    machines = data.get("num_machines", 1)
+    apply_fsdp_dict(config, fsdp, path, machines if isinstance(machines, int) and machines > 0 else 1)
     precision = data.get("mixed_precision", "no")
     precision = "no" if precision is False else precision  # YAML reads an unquoted `no` as false
     if precision not in MIXED_PRECISION:
@@ -88,10 +86,6 @@ def _apply_parallelism_config(config, section: dict, path: str) -> None:
     for key, value in section.items():
         name = key[len("parallelism_config_"):] if key.startswith("parallelism_config_") else key
         source = f"{path}: {key}"
-        if name == "dp_replicate_size":
-            if value not in (1, None):
-                raise UserError(source, f"= {value}: hybrid sharding (replicated FSDP groups) is not supported; set it to 1")
-            continue
         if name == "cp_backend":
             warnings.warn(f"{source} is ignored: plan.cp_impl chooses the context-parallel kernels", stacklevel=2)
             continue
@@ -104,15 +98,15 @@ def _apply_parallelism_config(config, section: dict, path: str) -> None:
         set_field(config, f"plan.{PARALLELISM_KEYS[name]}", value, source)
 
 
-def apply_fsdp_dict(config, data: dict, path: str) -> None:
+def apply_fsdp_dict(config, data: dict, path: str, machines: int = 1) -> None:
+    """`machines`: how many machines the run spans, which a hybrid strategy replicates over (HSDP)."""
     settings = {_strip_prefix(key): value for key, value in data.items()}
     version = settings.pop("version", 2)
     if version not in (1, 2):
         raise UserError(f"{path}: version", f"must be 1 or 2 (got {version!r}); portable_fsdp lowers to FSDP2")
     strategy = settings.pop("sharding_strategy", None)
     if strategy is not None:
-        set_field(config, "plan.reshard_after_forward", reshard_for_strategy(strategy, f"{path}: sharding_strategy"),
-                  f"{path}: sharding_strategy")
+        _apply_strategy(config, strategy, f"{path}: sharding_strategy", machines)
     for key, value in settings.items():
         source = f"{path}: {key}"
         if key in NO_OP_KEYS:
@@ -121,8 +115,22 @@ def apply_fsdp_dict(config, data: dict, path: str) -> None:
         if key not in PLAN_KEYS:
             raise UserError(source, f"is not an FSDP setting; known keys: {', '.join(sorted(PLAN_KEYS))}")
         if key == "reshard_after_forward":  # `accelerate config` for FSDP1 writes a strategy here
-            value = reshard_for_strategy(value, source)
+            _apply_strategy(config, value, source, machines)
+            continue
         set_field(config, f"plan.{PLAN_KEYS[key]}", _normalise(value), source)
+
+
+def _apply_strategy(config, value, source: str, machines: int) -> None:
+    """An FSDP1 strategy (or reshard_after_forward's boolean): a hybrid one shards within each machine and
+    replicates across the `machines` (HSDP)."""
+    set_field(config, "plan.reshard_after_forward", _normalise(reshard_for_strategy(value, source)), source)
+    if not isinstance(value, bool) and strategy_name(value) in HYBRID_STRATEGIES:
+        set_field(config, "plan.dp_replicate_size", machines, source)
+
+
+def strategy_name(value) -> str:
+    """An FSDP1 ShardingStrategy as its canonical name, from its name (any case, torch's `_` prefix) or number."""
+    return STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else str(value).upper().lstrip("_")
 
 
 def reshard_for_strategy(value, source: str):
@@ -130,7 +138,7 @@ def reshard_for_strategy(value, source: str):
     name, or that strategy's number (1-5). A strategy FSDP2 has no meaning for is a UserError."""
     if isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false")):
         return value
-    name = STRATEGY_NUMBERS.get(value, value) if isinstance(value, int) else str(value).upper().lstrip("_")
+    name = strategy_name(value)
     if name in SHARDING_STRATEGIES:
         return SHARDING_STRATEGIES[name]
     if name in STRATEGIES_WITHOUT_EQUIVALENT:
@@ -142,13 +150,17 @@ def reshard_for_strategy(value, source: str):
 
 def apply_fsdp_option(config, text: str) -> None:
     """Hugging Face TrainingArguments' `fsdp` string, e.g. "full_shard auto_wrap offload" (--fsdp)."""
-    strategies = [word for word in text.split() if word in ("full_shard", "shard_grad_op")]
+    strategies = [word for word in text.split() if word in ("full_shard", "shard_grad_op", "hybrid_shard",
+                                                            "hybrid_shard_zero2")]
     if len(strategies) > 1:
         raise UserError("--fsdp", f"names two sharding strategies ({' and '.join(strategies)}); keep one")
     for word in text.split():
         source = f"--fsdp: {word}"
         if word.upper() in STRATEGIES_WITHOUT_EQUIVALENT:
             raise UserError(source, STRATEGIES_WITHOUT_EQUIVALENT[word.upper()])
+        if word.upper() in HYBRID_STRATEGIES:  # one machine: the replicas are the machines (1 here)
+            _apply_strategy(config, word.upper(), source, 1)
+            continue
         if word not in FSDP_OPTION_WORDS:
             raise UserError(source, f"is not an fsdp option; choose from {', '.join(FSDP_OPTION_WORDS)}")
         set_field(config, *FSDP_OPTION_WORDS[word], source)

@@ -45,44 +45,79 @@ def setting(default, doc: str, *, hf: tuple = (), accelerate: tuple = (), choice
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the device-mesh axes; `fsdp_size=-1` takes whatever the others leave."""
+    """Sizes of the device-mesh axes. The world is dp_replicate × fsdp × cp|sp × tp, outermost first (tp ranks
+    are neighbours, as they talk most); `fsdp_size=-1` takes whatever the others leave. `ep` is no axis of its
+    own: the experts of a MoE layer are split over ep ranks carved out of the fsdp ranks (as torchtitan and
+    Accelerate do), the rest of the model is sharded over all of fsdp."""
 
+    dp_replicate_size: int = setting(1, "HSDP: replicas of the sharded model; gradients are reduce-scattered in a "
+                                        "replica and all-reduced across replicas", accelerate=("dp_replicate_size",))
     fsdp_size: int = setting(-1, "ranks parameters are sharded over; -1 = what the other axes leave of the world",
                              accelerate=("dp_shard_size",))
     cp_size: int = setting(1, "context parallelism: ranks one sequence is split over", accelerate=("cp_size",))
     tp_size: int = setting(1, "tensor parallelism: ranks one layer's weights are split over", accelerate=("tp_size",))
-    ep_size: int = setting(1, "expert parallelism: ranks the experts of a MoE layer are split over")
+    ep_size: int = setting(1, "expert parallelism: ranks (out of the fsdp ranks) the experts of a MoE layer are "
+                              "split over")
     sp_size: int = setting(1, "Ulysses sequence parallelism: ranks one sequence is split over, heads exchanged "
                               "around attention", accelerate=("sp_size",))
 
     def other_axes(self) -> dict:
-        return {"cp_size": self.cp_size, "tp_size": self.tp_size,
-                "ep_size": self.ep_size, "sp_size": self.sp_size}
+        """The axes besides fsdp whose product with it is the world (ep lies inside fsdp)."""
+        return {"dp_replicate_size": self.dp_replicate_size, "cp_size": self.cp_size, "sp_size": self.sp_size,
+                "tp_size": self.tp_size}
 
     def resolve(self, world_size: int) -> "MeshSpec":
-        """Infer `fsdp_size` and check that the product of all axes is the world size."""
-        for name, size in {"fsdp_size": self.fsdp_size, **self.other_axes()}.items():
+        """Infer `fsdp_size` and check that the product of the axes is the world size."""
+        for name, size in {"fsdp_size": self.fsdp_size, "ep_size": self.ep_size, **self.other_axes()}.items():
             if size == 0 or size < -1 or (size == -1 and name != "fsdp_size"):
                 raise UserError(f"plan.{name}", f"must be a positive integer (got {size})")
         others = math.prod(self.other_axes().values())
         fsdp = self.fsdp_size
+        product = "dp_replicate*cp*sp*tp"
         if fsdp == -1:
             if world_size % others:
                 raise UserError("plan.fsdp_size", (
-                    f"cannot infer: world size {world_size} is not divisible by "
-                    f"cp*tp*ep*sp = {others}; change the mesh sizes or --nproc"))
+                    f"cannot infer: world size {world_size} is not divisible by {product} = {others}; change the "
+                    "mesh sizes or --nproc"))
             fsdp = world_size // others
         if fsdp * others != world_size:
             raise UserError("plan.fsdp_size", (
-                f"mesh fsdp*cp*tp*ep*sp = {fsdp}*{self.cp_size}*{self.tp_size}*{self.ep_size}"
-                f"*{self.sp_size} = {fsdp * others} but the world size is {world_size}; "
-                "set plan.fsdp_size=-1 to infer it or change --nproc"))
+                f"mesh dp_replicate*fsdp*cp*sp*tp = {self.dp_replicate_size}*{fsdp}*{self.cp_size}*{self.sp_size}"
+                f"*{self.tp_size} = {fsdp * others} but the world size is {world_size}; set plan.fsdp_size=-1 to "
+                "infer it or change --nproc"))
+        if fsdp % self.ep_size:
+            working = max(d for d in range(1, fsdp + 1) if fsdp % d == 0 and d <= self.ep_size)
+            raise UserError("plan.ep_size", (
+                f"{self.ep_size} does not divide fsdp_size={fsdp}: the experts are split over ep ranks taken from "
+                f"the fsdp ranks; use e.g. plan.ep_size={working}"))
         return dataclasses.replace(self, fsdp_size=fsdp)
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches (cp/tp/sp ranks share a batch)."""
-        return self.fsdp_size * self.ep_size
+        """Ranks that see different batches (cp/sp/tp ranks share a batch)."""
+        return self.dp_replicate_size * self.fsdp_size
+
+    @property
+    def sequence_size(self) -> int:
+        """Ranks one sequence is split over (cp or sp; at most one of them is above 1)."""
+        return self.cp_size * self.sp_size
+
+    def axes(self) -> tuple:
+        """(name, size) of every axis, outermost first: rank r's coordinates are r in this mixed radix."""
+        return (("dp_replicate", self.dp_replicate_size), ("fsdp", self.fsdp_size), ("cp", self.cp_size),
+                ("sp", self.sp_size), ("tp", self.tp_size))
+
+    def coordinates(self, rank: int) -> dict:
+        """{axis: index} of `rank` (a resolved spec)."""
+        coords = {}
+        for name, size in reversed(self.axes()):
+            rank, coords[name] = divmod(rank, size)
+        return coords
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which slice of the global batch `rank` reads (replica-major, then fsdp)."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.fsdp_size + coords["fsdp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +168,8 @@ class ShardingPlan:
     cp_impl: str = setting("auto", "torch's context_parallel (CUDA) or the portable one; auto = torch on CUDA",
                            choices=("auto", "torch", "portable"))
     cp_load_balance: bool = setting(True, "head-tail chunks (even causal work); false = contiguous slices")
+    tp_plan: dict = setting({}, "tensor-parallel plan, module pattern -> colwise | rowwise (transformers' "
+                                "base_model_tp_plan notation); empty = the model's own base_model_tp_plan")
     cpu_collectives: str = setting("auto", "CPU ranks: FSDP's collectives through shared memory on one host "
                                            "(auto) or gloo's", choices=("auto", "gloo"))
     xla: XlaSettings = XlaSettings()

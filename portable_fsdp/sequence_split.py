@@ -11,7 +11,11 @@ import numpy as np
 from portable_fsdp.errors import UserError
 
 
-def check_divisible(seq_len: int, cp_size: int) -> None:
+def check_divisible(seq_len: int, cp_size: int, sp_size: int = 1) -> None:
+    if sp_size > 1 and seq_len % sp_size:
+        raise UserError("data.seq_len", (
+            f"{seq_len} must be divisible by plan.sp_size={sp_size} so each rank gets an equal slice; use e.g. "
+            f"data.seq_len={seq_len - seq_len % sp_size}"))
     if cp_size > 1 and seq_len % (2 * cp_size):
         raise UserError("data.seq_len", (
             f"{seq_len} must be divisible by 2 x plan.cp_size = {2 * cp_size} (cp_size={cp_size}) so each rank "

@@ -11,6 +11,7 @@ from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import flat_fields
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import resolve_metrics
+from portable_fsdp.mesh_fit import check_mesh_fits
 from portable_fsdp.sequence_split import check_divisible
 
 
@@ -34,7 +35,7 @@ def resolve_plan(config, world_size: int) -> plan_lib.ShardingPlan:
     plan = plan_from_config(config)
     plan = dataclasses.replace(plan, mesh=plan.mesh.resolve(world_size))
     check_train_fields(config, plan.mesh.data_parallel_size)
-    check_divisible(config.data.seq_len, plan.mesh.cp_size)
+    check_divisible(config.data.seq_len, plan.mesh.cp_size, plan.mesh.sp_size)
     return plan
 
 
@@ -50,6 +51,8 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     for rule, verdict in found:
         if isinstance(verdict, capabilities.Refused):
             raise UserError(rule.field, capabilities.message(rule, verdict, context, target))
+    if model is not None:
+        check_mesh_fits(plan, model)
     for rule, verdict in found:
         text = capabilities.message(rule, verdict, context, target)
         if isinstance(verdict, capabilities.Caution):

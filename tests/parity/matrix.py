@@ -71,6 +71,13 @@ VARIANTS = {
     "fsdp2_cp2_alltoall_checkpointing": Variant({**CP2, **ALLTOALL, **CHECKPOINTING}, world=4),
     "cp4_allgather": Variant({"plan.cp_size": "4"}, world=4),
     "cp4_alltoall_contiguous": Variant({"plan.cp_size": "4", **ALLTOALL, "plan.cp_load_balance": "false"}, world=4),
+    # Tensor and Ulysses sequence parallelism, HSDP: alone and with fsdp (the tiny Llama: 4 heads, 2 kv heads).
+    "tp2": Variant({"plan.tp_size": "2"}),
+    "fsdp2_tp2": Variant({"plan.tp_size": "2"}, world=4),
+    "sp2": Variant({"plan.sp_size": "2"}),
+    "fsdp2_sp2": Variant({"plan.sp_size": "2"}, world=4),
+    "documents_sp2": Variant({**DOCUMENTS, "plan.sp_size": "2"}),
+    "hsdp2x2": Variant({"plan.dp_replicate_size": "2"}, world=4),
     # torch_xla's FSDP v1: one process per device, one PJRT CPU device here.
     "v1": Variant(V1, world=1),
     "v1_checkpointing": Variant({**V1, **CHECKPOINTING}, world=1),
