@@ -81,8 +81,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.collective_timeout_s = 300
 
     # Declared once, in portable_fsdp/plan.py: defaults, meanings and the Hugging Face keys that set them.
-    c.plan = ml_collections.ConfigDict({f.name: f.config_default for f in plan_lib.plan_fields()})
+    c.plan = ml_collections.ConfigDict({f.name: mapping(f.config_default) if isinstance(f.default, dict)
+                                        else f.config_default for f in plan_lib.plan_fields()})
     return c
+
+
+def mapping(value: dict) -> ml_collections.ConfigDict:
+    """A mapping field's value: its keys are free text (module patterns such as `layers.*.mlp.up_proj`)."""
+    return ml_collections.ConfigDict(dict(value), allow_dotted_keys=True)
+
+
+def from_dict(data: dict) -> ml_collections.ConfigDict:
+    """A config from its `to_dict()` (what a worker receives), mapping fields keeping their dotted keys."""
+    plan = {name: mapping(value) if f"plan.{name}" in MAPPING_FIELDS else value
+            for name, value in data.get("plan", {}).items()}
+    return ml_collections.ConfigDict({**data, "plan": plan})
 
 
 def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
@@ -140,17 +153,13 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
     if _is_section(node[leaf], dotted):
         raise UserError(f"config.{dotted}", "is a section; set one of its fields, e.g. "
                         f"--config.{dotted}.{next(iter(node[leaf].keys()))}=...")
-    _assign(node, leaf, parse_value(raw, node[leaf], f"config.{dotted}"), f"config.{dotted}")
+    _assign(node, leaf, parse_value(raw, node[leaf], f"config.{dotted}"))
 
 
-def _assign(node, leaf: str, value, field: str) -> None:
-    """Set a checked value in a locked section; what ConfigDict itself refuses (a dotted key inside a mapping)
-    is a UserError."""
+def _assign(node, leaf: str, value) -> None:
+    """Set a checked value in a locked section (a mapping keeps its dotted keys)."""
     with node.unlocked():
-        try:
-            node[leaf] = value
-        except ValueError as err:
-            raise UserError(field, f"cannot hold {value!r}: {err}") from None
+        node[leaf] = mapping(value) if isinstance(value, dict) else value
 
 
 def command_line_text(value) -> str:
@@ -186,7 +195,7 @@ def set_field(config: ml_collections.ConfigDict, dotted: str, value, source: str
             value = float(value)
         else:
             raise UserError(source, f"must be a {type(expected).__name__} (got {value!r})")
-    _assign(node, leaf, value, source)
+    _assign(node, leaf, value)
 
 
 def parse_value(raw: str, current, field: str):

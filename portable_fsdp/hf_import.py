@@ -162,7 +162,8 @@ def apply_fsdp_option(config, text: str) -> None:
             _apply_strategy(config, word.upper(), source, 1)
             continue
         if word not in FSDP_OPTION_WORDS:
-            raise UserError(source, f"is not an fsdp option; choose from {', '.join(FSDP_OPTION_WORDS)}")
+            words = [*FSDP_OPTION_WORDS, *(name.lower() for name in HYBRID_STRATEGIES)]
+            raise UserError(source, f"is not an fsdp option; choose from {', '.join(words)}")
         set_field(config, *FSDP_OPTION_WORDS[word], source)
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-import ml_collections
-
-from portable_fsdp import backends, loop
+from portable_fsdp import backends, config as config_lib, loop
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
@@ -26,7 +24,7 @@ def main(spec: dict) -> dict:
 
 
 def _main(spec: dict) -> dict:
-    config = ml_collections.ConfigDict(spec["config"])
+    config = config_lib.from_dict(spec["config"])
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
         return loop.run(config, plan, backends.load(spec["backend"]), spec["backend"], spec["workdir"])

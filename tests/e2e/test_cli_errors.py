@@ -36,11 +36,13 @@ CASES = [
     (['--nproc', '0'],
      'error: --nproc: must be at least 1 (got 0)'),
     (['--config.plan.fsdp_size=3'],
-     'error: plan.fsdp_size: mesh fsdp*cp*tp*ep*sp = 3*1*1*1*1 = 3 but the world size is 2; set plan.fsdp_size=-1 to infer it or change --nproc'),
+     'error: plan.fsdp_size: mesh dp_replicate*fsdp*cp*sp*tp = 1*3*1*1*1 = 3 but the world size is 2; set plan.fsdp_size=-1 to infer it or change --nproc'),
+    (['--config.plan.tp_size=2', '--config.plan.dp_replicate_size=2'],
+     'error: plan.fsdp_size: cannot infer: world size 2 is not divisible by dp_replicate*cp*sp*tp = 4; change the mesh sizes or --nproc'),
     (['--config.plan.fsdp_size=0'],
      'error: plan.fsdp_size: must be a positive integer (got 0)'),
     (['--config.plan.cp_size=3'],
-     'error: plan.fsdp_size: cannot infer: world size 2 is not divisible by cp*tp*ep*sp = 3; change the mesh sizes or --nproc'),
+     'error: plan.fsdp_size: cannot infer: world size 2 is not divisible by dp_replicate*cp*sp*tp = 3; change the mesh sizes or --nproc'),
     (['--config.plan.cp_size=2', '--config.plan.sp_size=2', '--nproc', '4'],
      'error: plan.cp_size: context parallelism (cp_size=2) and Ulysses sequence parallelism (sp_size=2) are alternatives; set one of them to 1'),
     (['--config.plan.cp_size=2', '--config.data.seq_len=66'],
@@ -57,12 +59,16 @@ CASES = [
      'error: train.early_stopping_patience: needs evaluations during training: set train.eval_every > 0'),
     (['--config.train.compute_metrics=nope:nothing'],
      "error: train.compute_metrics: cannot import 'nope:nothing'; use one of token_accuracy or 'package.module:function'"),
-    (['--config.plan.tp_size=2'],
-     'error: plan.tp_size: tensor parallelism (tp_size=2) is not available on --backend cpu; set plan.tp_size=1 and shard over plan.fsdp_size (with plan.cp_size for long sequences)'),
     (['--config.plan.ep_size=2'],
-     'error: plan.ep_size: expert parallelism (ep_size=2) is not available on --backend cpu; set plan.ep_size=1 (experts are then sharded over plan.fsdp_size like every other weight)'),
-    (['--config.plan.sp_size=2'],
-     'error: plan.sp_size: Ulysses sequence parallelism (sp_size=2) is not available on --backend cpu; set plan.sp_size=1 and use context parallelism (plan.cp_size) to split long sequences'),
+     'error: plan.ep_size: 2 needs a mixture-of-experts model; LlamaForCausalLM is dense (no experts to split): set plan.ep_size=1'),
+    (['--config.plan.tp_size=4', '--nproc', '4'],
+     "error: plan.tp_size: the model's 2 key/value heads are not divisible by tp_size=4 (tensor parallelism splits heads over tp ranks); use e.g. plan.tp_size=2"),
+    (['--config.plan.sp_size=4', '--nproc', '4'],
+     "error: plan.sp_size: the model's 2 key/value heads are not divisible by sp_size=4 (Ulysses sequence parallelism gives each sp rank whole heads around attention); use e.g. plan.sp_size=2"),
+    (['--config.plan.sp_size=2', '--config.data.seq_len=63'],
+     'error: data.seq_len: 63 must be divisible by plan.sp_size=2 so each rank gets an equal slice; use e.g. data.seq_len=62'),
+    (['--config.plan.tp_size=2', '--config.plan.tp_plan={"layers.*.mlp.up_proj": "sideways"}'],
+     "error: plan.tp_plan: unknown style 'sideways'; choose one of colwise, rowwise, packed_colwise, replicated_with_grad_allreduce, moe_tp_experts"),
     (['--config.plan.activation_checkpointing=true', '--config.train.gradient_checkpointing=true'],
      'error: plan.activation_checkpointing: is on together with train.gradient_checkpointing; they recompute the same activations twice: keep plan.activation_checkpointing and set train.gradient_checkpointing=false'),
     (['--config.plan.transformer_layer_cls_to_wrap=GPT2Block'],
@@ -74,9 +80,8 @@ CASES = [
     (['--config.plan.transformer_layer_cls_to_wrap=LlamaDecoderLayer,LlamaMLP'],
      'error: plan.transformer_layer_cls_to_wrap: LlamaDecoderLayer contains LlamaMLP: a unit inside another unit is '
      'gathered twice; name one of them (classes it has: LlamaDecoderLayer)'),
-    (['--fsdp', 'hybrid_shard auto_wrap'],
-     'error: --fsdp: hybrid_shard: shards within a node and replicates across nodes (HSDP), which portable_fsdp does '
-     'not offer; use FULL_SHARD (reshard_after_forward: true), which shards over every rank'),
+    (['--fsdp', 'hybrid_shard full_shard'],
+     'error: --fsdp: names two sharding strategies (hybrid_shard and full_shard); keep one'),
     (['--config.plan.auto_wrap_policy=SIZE_BASED_WRAP'],
      'error: plan.min_num_params: SIZE_BASED_WRAP needs a positive min_num_params (e.g. 100000000); set plan.min_num_params or choose another plan.auto_wrap_policy'),
     (['--config.plan.auto_wrap_policy=EVERYTHING'],
@@ -127,7 +132,7 @@ def test_bad_input_is_one_exact_line(capsys, tmp_path, args, expected):
     code, err = run_main(capsys, "--workdir", str(tmp_path / "w"), *args)
     assert code == 2
     assert err == [expected]
-    assert not (tmp_path / "w" / "metrics.jsonl").exists()
+    assert not any((tmp_path / "w").rglob("*")), "a refused run wrote into its workdir"
 
 
 def test_master_port_in_use(capsys, tmp_path, monkeypatch):

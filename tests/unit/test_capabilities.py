@@ -27,9 +27,10 @@ def check(backend, overrides=(), device=None, nproc=2):
 
 # (backend, overrides, device, nproc, field named, a phrase of the fix)
 REFUSED = [
-    ("cpu", {"plan.tp_size": "2"}, None, 2, "plan.tp_size", "tensor parallelism (tp_size=2) is not available on --backend cpu; set plan.tp_size=1"),
-    ("xla", {"plan.ep_size": "2"}, "CPU", 2, "plan.ep_size", "expert parallelism (ep_size=2) is not available on --backend xla"),
-    ("flax", {"plan.sp_size": "2"}, "cpu", 2, "plan.sp_size", "set plan.sp_size=1"),
+    ("xla", {"plan.tp_size": "2", "plan.xla_fsdp_v2": "false"}, "CPU", 2, "plan.tp_size", "cannot split layers; use SPMD FSDPv2 (plan.xla_fsdp_v2=true)"),
+    ("xla", {"plan.ep_size": "2", "plan.xla_fsdp_v2": "false"}, "CPU", 2, "plan.ep_size", "cannot split experts"),
+    ("xla", {"plan.sp_size": "2", "plan.xla_fsdp_v2": "false"}, "CPU", 2, "plan.sp_size", "or set plan.sp_size=1"),
+    ("xla", {"plan.dp_replicate_size": "2", "plan.xla_fsdp_v2": "false"}, "CPU", 2, "plan.dp_replicate_size", "cannot replicate shards"),
     ("cpu", {"plan.cp_size": "2", "plan.cp_impl": "torch"}, None, 2, "plan.cp_impl", "cannot run on cpu; use plan.cp_impl=portable"),
     ("xla", {"plan.cp_size": "2", "plan.cp_impl": "torch"}, "CPU", 2, "plan.cp_impl", "use plan.cp_impl=auto"),
     ("xla", {"plan.cp_size": "2", "plan.xla_fsdp_v2": "false"}, "TPU", 2, "plan.cp_size", "cannot split sequences"),

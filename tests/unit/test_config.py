@@ -299,11 +299,12 @@ def test_set_field_on_locked_config():
     assert isinstance(config, ml_collections.ConfigDict) and config.is_locked
 
 
-def test_a_mapping_with_a_dotted_key_is_one_line_not_a_traceback(config):
-    with user_error("config.plan.xla_fsdp_settings", "cannot hold {'a.b': 1}"):
-        apply_override(config, "plan.xla_fsdp_settings", '{"a.b": 1}')
-    with user_error("fsdp.json: xla_fsdp_settings", "cannot hold {'a.b': 1}"):
-        set_field(config, "plan.xla_fsdp_settings", {"a.b": 1}, "fsdp.json: xla_fsdp_settings")
+def test_a_mapping_keeps_dotted_keys(config):
+    # tensor-parallel plans name modules by dotted patterns, from the command line and from files alike
+    apply_override(config, "plan.tp_plan", '{"layers.*.mlp.up_proj": "colwise"}')
+    assert config.plan.tp_plan.to_dict() == {"layers.*.mlp.up_proj": "colwise"}
+    set_field(config, "plan.tp_plan", {"layers.*.mlp.down_proj": "rowwise"}, "fsdp.json: tp_plan")
+    assert config.plan.tp_plan.to_dict() == {"layers.*.mlp.down_proj": "rowwise"}
 
 
 def test_python_values_reach_the_config_as_the_command_line_writes_them():

@@ -7,7 +7,6 @@ import pytest
 
 from portable_fsdp import validate
 from portable_fsdp.config import base_config
-from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option, xla_settings_onto_spmd_plan
 from portable_fsdp.plan import MixedPrecision, StateDictType, WrapPolicy
 from tests.unit._helpers import user_error
@@ -124,12 +123,8 @@ def test_fsdp1_sharding_strategy(config, tmp_path, strategy, reshard):
 
 
 @pytest.mark.parametrize("strategy, label, fix", [
-    ("HYBRID_SHARD", "HYBRID_SHARD", "use FULL_SHARD (reshard_after_forward: true)"),
-    ("HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),  # Accelerate's
-    ("_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2", "use SHARD_GRAD_OP (reshard_after_forward: false)"),  # torch's
     ("NO_SHARD", "NO_SHARD", "keeps a whole copy of the model on every rank (DDP)"),
     (3, "3 (NO_SHARD)", "use FULL_SHARD (reshard_after_forward: true) or SHARD_GRAD_OP"),
-    (4, "4 (HYBRID_SHARD)", "(HSDP), which portable_fsdp does not offer"),
 ])
 def test_fsdp1_sharding_strategy_without_equivalent(config, tmp_path, strategy, label, fix):
     path = write_json(tmp_path, {"sharding_strategy": strategy})
@@ -187,7 +182,7 @@ def test_accelerate_fsdp1_yaml_strategy_in_reshard_after_forward(config, tmp_pat
     assert plan.mixed_precision == MixedPrecision("bfloat16", "float32")
 
 
-@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (5, "5 (HYBRID_SHARD_ZERO2)"),
+@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (3, "3 (NO_SHARD)"),
                                               ("EVERYTHING", "unknown sharding strategy 'EVERYTHING'"),
                                               (7, "unknown sharding strategy 7")])
 def test_accelerate_fsdp1_yaml_strategy_without_equivalent(config, tmp_path, strategy, phrase):
@@ -209,10 +204,9 @@ def test_trainer_fsdp_option_string(config, text, reshard, offload):
 
 
 @pytest.mark.parametrize("text, field, phrase", [
-    ("hybrid_shard auto_wrap", "--fsdp: hybrid_shard", "use FULL_SHARD"),
     ("no_shard", "--fsdp: no_shard", "keeps a whole copy of the model on every rank (DDP)"),
     ("full_shard autowrap", "--fsdp: autowrap", "is not an fsdp option; choose from full_shard, shard_grad_op, "
-                                                "offload, auto_wrap"),
+                                                "offload, auto_wrap, hybrid_shard, hybrid_shard_zero2"),
 ])
 def test_trainer_fsdp_option_string_refusals(config, text, field, phrase):
     with user_error(field, phrase):
@@ -368,18 +362,30 @@ def test_accelerate_yaml_bad_cp_size_type(config, tmp_path):
         apply_fsdp_file(config, path)
 
 
-@pytest.mark.parametrize("key", ["parallelism_config_tp_size", "parallelism_config_dp_replicate_size"])
-def test_accelerate_yaml_other_parallelism_sizes_not_dropped(config, tmp_path, key):
-    # The plan "refuses, instead of ignoring": a tp or replicate (HSDP) degree of 2 must either reach
-    # the plan or be refused naming the key, never be silently dropped.
-    path = write_yaml(tmp_path, f"fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  {key}: 2\n")
-    try:
-        apply_fsdp_file(config, path)
-    except UserError as err:
-        assert err.field == f"{path}: {key}", err.line()
-        return
-    if config.plan.tp_size != 2:
-        pytest.fail(f"{key}: 2 was silently ignored (config.plan is unchanged)")
+@pytest.mark.parametrize("key, field", [("tp_size", "tp_size"), ("dp_replicate_size", "dp_replicate_size"),
+                                        ("dp_shard_size", "fsdp_size"), ("cp_size", "cp_size"), ("sp_size", "sp_size")])
+def test_accelerate_yaml_parallelism_sizes_reach_the_mesh(config, tmp_path, key, field):
+    path = write_yaml(tmp_path, f"fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  parallelism_config_{key}: 2\n")
+    apply_fsdp_file(config, path)
+    assert config.plan[field] == 2
+
+
+@pytest.mark.parametrize("strategy, reshard", [("HYBRID_SHARD", True), ("HYBRID_SHARD_ZERO2", False),
+                                               ("_HYBRID_SHARD_ZERO2", False), (4, True), (5, False)])
+@pytest.mark.parametrize("machines", [1, 2])
+def test_hybrid_strategy_replicates_across_the_machines(config, tmp_path, strategy, reshard, machines):
+    # FSDP1's hybrid strategies shard within a machine and replicate across machines: HSDP with one replica
+    # per machine (on one machine, plain FSDP as Accelerate runs it)
+    path = write_yaml(tmp_path, f"num_machines: {machines}\nfsdp_config:\n  fsdp_sharding_strategy: {strategy}\n")
+    apply_fsdp_file(config, path)
+    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (machines, reshard)
+
+
+def test_hybrid_strategy_in_an_fsdp_json_and_the_fsdp_option(config, tmp_path):
+    apply_quietly(config, write_json(tmp_path, {"sharding_strategy": "HYBRID_SHARD_ZERO2"}))
+    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (1, False)
+    apply_fsdp_option(config, "hybrid_shard auto_wrap")
+    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (1, True)
 
 
 def test_accelerate_yaml_fsdp1_keys(config, tmp_path):
@@ -482,8 +488,8 @@ def test_fp32_reduce_scatter_false_means_reducing_in_the_compute_dtype(config, t
 def test_trainer_fsdp_option_string_with_two_strategies(config):
     with user_error("--fsdp", "names two sharding strategies (full_shard and shard_grad_op); keep one"):
         apply_fsdp_option(config, "full_shard shard_grad_op auto_wrap")
-    with user_error("--fsdp: hybrid_shard_zero2", "use SHARD_GRAD_OP"):
-        apply_fsdp_option(config, "hybrid_shard_zero2 auto_wrap")
+    with user_error("--fsdp", "names two sharding strategies (shard_grad_op and hybrid_shard); keep one"):
+        apply_fsdp_option(config, "shard_grad_op hybrid_shard")
 
 
 def test_fp32_reduce_scatter_contradicting_the_plan_names_both(config, tmp_path):

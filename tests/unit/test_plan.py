@@ -2,11 +2,10 @@
 import dataclasses
 import math
 
-import ml_collections
 import pytest
 
 from portable_fsdp import plan as plan_lib
-from portable_fsdp import validate
+from portable_fsdp import config as config_lib, validate
 from portable_fsdp.config import apply_override, base_config
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.plan import MeshSpec, MixedPrecision, ShardingPlan, StateDictType, WrapPolicy, plan_fields
@@ -19,8 +18,9 @@ from tests.unit._helpers import user_error
     (1, {}, 1),
     (8, {}, 8),
     (8, {"cp_size": 2}, 4),
-    (8, {"tp_size": 2, "ep_size": 2}, 2),
+    (8, {"tp_size": 2, "ep_size": 2}, 4),
     (6, {"sp_size": 3}, 2),
+    (8, {"dp_replicate_size": 2, "tp_size": 2}, 2),
 ])
 def test_resolve_infers_fsdp_size(world, others, expected):
     mesh = MeshSpec(fsdp_size=-1, **others).resolve(world)
@@ -59,15 +59,34 @@ def test_resolve_product_not_world_size(spec, world):
     ("fsdp_size", 0), ("fsdp_size", -2),
     ("cp_size", 0), ("cp_size", -1), ("tp_size", 0), ("tp_size", -1),
     ("ep_size", 0), ("ep_size", -3), ("sp_size", 0), ("sp_size", -1),
+    ("dp_replicate_size", 0), ("dp_replicate_size", -1),
 ])
 def test_resolve_refuses_zero_and_negative_sizes(field, size):
     with user_error(f"plan.{field}", f"must be a positive integer (got {size})"):
         MeshSpec(**{field: size}).resolve(4)
 
 
-def test_data_parallel_size_counts_fsdp_and_ep_only():
-    mesh = MeshSpec(fsdp_size=2, cp_size=2, tp_size=2, ep_size=2, sp_size=1)
+def test_data_parallel_size_counts_replicas_and_fsdp_only():
+    # cp, sp and tp ranks share a batch; ep ranks are fsdp ranks, which read different rows already
+    mesh = MeshSpec(dp_replicate_size=2, fsdp_size=2, cp_size=2, tp_size=2, ep_size=2)
     assert mesh.data_parallel_size == 4
+
+
+def test_ep_is_carved_out_of_the_fsdp_ranks():
+    with user_error("plan.ep_size", "does not divide fsdp_size=2") as info:
+        MeshSpec(ep_size=4, tp_size=2).resolve(4)
+    assert "plan.ep_size=2" in info.value.message
+    assert MeshSpec(ep_size=2).resolve(4).fsdp_size == 4
+
+
+def test_rank_coordinates_are_outermost_first_with_tp_innermost():
+    mesh = MeshSpec(dp_replicate_size=2, fsdp_size=2, sp_size=1, tp_size=2).resolve(8)
+    coords = [mesh.coordinates(rank) for rank in range(8)]
+    assert [c["tp"] for c in coords] == [0, 1] * 4
+    assert [c["fsdp"] for c in coords] == [0, 0, 1, 1] * 2
+    assert [c["dp_replicate"] for c in coords] == [0] * 4 + [1] * 4
+    # tp neighbours read the same rows; replicas read different ones
+    assert [mesh.data_parallel_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 # ---------------------------------------------------------------- ShardingPlan.validate
@@ -300,8 +319,11 @@ def test_the_config_survives_the_trip_to_a_worker(config):
     """Workers rebuild the config from `to_dict()`: the plan they resolve is the launcher's."""
     apply_override(config, "plan.transformer_layer_cls_to_wrap", "LlamaDecoderLayer")
     apply_override(config, "plan.xla_fsdp_settings", '{"compute_dtype": "bfloat16"}')
-    rebuilt = ml_collections.ConfigDict(config.to_dict())
+    apply_override(config, "plan.tp_plan", '{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}')
+    rebuilt = config_lib.from_dict(config.to_dict())
     assert validate.plan_from_config(rebuilt) == validate.plan_from_config(config)
+    assert validate.plan_from_config(rebuilt).tp_plan == {"layers.*.mlp.up_proj": "colwise",
+                                                          "layers.*.mlp.down_proj": "rowwise"}
 
 
 def test_resolve_plan_bad_xla_settings(config):
