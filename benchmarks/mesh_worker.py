@@ -1,0 +1,73 @@
+"""One torchrun rank of the mesh benchmark's byte count (`python -m benchmarks.mesh`):
+
+    python -m torch.distributed.run --nproc_per_node N -m benchmarks.mesh_worker OUT.json [--config.a.b=v ...]
+
+Trains one warm-up step through the torch backend's own `init` / `train_step`, then counts the bytes this rank
+sends in the next steps (benchmarks/comm_bytes.py) and writes, from rank 0, what the formulas of
+benchmarks/mesh.py need: the bytes FSDP gathers per rank (its units' unsharded sizes: after tensor
+parallelism, a rank's tp slice) and what its root keeps gathered.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from benchmarks.comm_bytes import CommBytes
+from benchmarks.common import config_from_flags
+from portable_fsdp import backends
+from portable_fsdp.data.loader import TrainBatches, build_token_data
+from portable_fsdp.validate import resolve_plan
+
+
+def fsdp_bytes(model) -> tuple:
+    """(bytes every FSDP unit gathers on this rank, of which the root's, the ranks the root shards over and its
+    replicas): unsharded sizes as FSDP holds them —
+    a tensor-parallel weight's tp slice, not the whole weight (a private attribute of torch's FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = root = 0
+    shard = replicate = 1
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is None:
+            continue
+        size = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+        total += size
+        root += size if module is model else 0
+        if module is model:
+            shard = group.mesh_info.shard_mesh_size
+            replicate = getattr(group.mesh_info, "replicate_mesh_size", 1)
+    return total, root, shard, replicate
+
+
+def measure(overrides: list, steps: int = 2) -> dict:
+    config = config_from_flags(overrides)
+    backend = backends.load("cpu")
+    state = backend.init(config, resolve_plan(config, int(os.environ["WORLD_SIZE"])), "cpu")
+    where = backend.placement(state)
+    data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
+    batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, None)
+    state, _ = backend.train_step(state, batches.micro_batches(0, where.dp_rank, where.dp_size))  # lazy init
+    with CommBytes() as counter:
+        for step in range(1, steps + 1):
+            state, _ = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+    gathered, root, shard, replicate = fsdp_bytes(state.model)
+    memory = backend.memory_report(state)
+    backend.finalize(state)
+    return {"world_size": where.world_size, "dp_size": where.dp_size, "fsdp_unit_bytes": gathered,
+            "fsdp_root_bytes": root, "fsdp_shard_size": shard, "fsdp_replicate_size": replicate,
+            "state_mb": memory["state_mb"], "grad_mb": memory["grad_mb"],
+            "sent_per_step": {kind: sent / steps for kind, sent in counter.sent.items()}}
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    result = measure(overrides)
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
