@@ -18,7 +18,12 @@ Without a GPU, the same code with a tiny model on `--backend cpu`:  python -m be
    sequence, forward + backward through the step's own pieces (apply_context_parallel, sequence_shard,
    token_loss_sum): the per-rank attention compute and memory of each implementation.
 
-Results: two tables, and JSON in benchmarks/results/gpu.json.
+3. The mesh (benchmarks/mesh.py's table on --backend cuda): bytes per collective against each axis's formula,
+   memory per rank and tokens/s for fsdp4, fsdp2 x tp2, tp4, hsdp 2x2, sp4 vs cp4 and a Mixtral at fsdp4 / ep2 /
+   ep4 — on a machine with 4 or more GPUs (outside the 8-minute budget, which is sized for one GPU); skipped with
+   fewer. The dry run checks it with two settings of a tiny model.
+
+Results: three tables, and JSON in benchmarks/results/gpu.json.
 """
 from __future__ import annotations
 
@@ -172,6 +177,28 @@ def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict
     return {"step_ms": 1000 * statistics.median(times[1:]), "peak_mem_mb": peak}
 
 
+def mesh_section(dry_run: bool, size: dict, backend: str, gpus: int) -> list:
+    """benchmarks/mesh.py's table at world 4 on this machine's backend, fp32 as on CPU (its formulas count 4-byte
+    activations), or [] without 4 GPUs."""
+    from benchmarks import mesh
+
+    if not dry_run and gpus < mesh.WORLD:
+        print(f"\nMesh: skipped, it needs {mesh.WORLD} GPUs ({gpus} visible)")
+        return []
+    shape = mesh.QUICK if dry_run else dict(hidden_size=size["hidden"], intermediate_size=size["intermediate"],
+                                            num_hidden_layers=8, num_attention_heads=size["heads"],
+                                            num_key_value_heads=size["kv_heads"])
+    settings = mesh.SETTINGS[:2] if dry_run else mesh.SETTINGS
+    failed = []
+    rows = mesh.run_table(settings, shape, (64,) if dry_run else (2048, 16384), 3 if dry_run else 6, backend,
+                          on_error=lambda setting, err: failed.append(f"{setting.name}: {err}"))
+    print(f"\nMesh at world {mesh.WORLD} on --backend {backend}")
+    print(mesh.report(rows))
+    for line in failed:
+        print(f"failed: {line}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny model on --backend cpu, to check the script")
@@ -233,6 +260,7 @@ def main() -> None:
         print(table(["setting", "ms (median)", "peak MB per rank", "error"],
                     [[r["setting"], cell(r, "step_ms", "{:.0f}"), cell(r, "peak_mem_mb", "{:.0f}"), r.get("error", "")]
                      for r in cp_results if r["mode"] == mode]))
+    mesh_rows = mesh_section(args.dry_run_cpu, size, backend, torch.cuda.device_count())
     # A dry run leaves benchmarks/results alone.
     out = (pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_gpu_dry_run.json" if args.dry_run_cpu
            else ROOT / "benchmarks" / "results" / "gpu.json")
@@ -240,7 +268,8 @@ def main() -> None:
                                  "cuda": torch.version.cuda},
                      "dry_run_cpu": args.dry_run_cpu, "sizes": size, "n_params": n_params,
                      "peak_flops_per_device": peak or "measured by the run", "spec_sheet_bf16": spec or None, "training": training,
-                     "context_parallel": {"what": {m: what[m] for m in modes}, "results": cp_results}})
+                     "context_parallel": {"what": {m: what[m] for m in modes}, "results": cp_results},
+                     "mesh": mesh_rows})
     print(f"\nwrote {out}")
 
 

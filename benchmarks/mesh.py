@@ -2,6 +2,8 @@
 
     python -m benchmarks.mesh [--quick] [--seq-len 512] [--long 2048] [--steps 4] [--config.a.b=v ...]
 
+On a machine with 4 GPUs, `python -m benchmarks.gpu` runs the same table on --backend cuda (NCCL).
+
 For every setting: the bytes one rank sends per training step, per collective, against the axis's formula
 (benchmarks/comm_bytes.py counts them where torch dispatches each collective); parameters + gradients +
 optimizer state per rank, peak resident memory per rank, and tokens/s — each a fresh run of
@@ -110,27 +112,28 @@ def common_flags(seq_len: int, steps: int) -> list:
             "--config.train.warmup_steps=1", "--config.model.max_position_embeddings=8192"]
 
 
-def count_bytes(setting: Setting, flags: list) -> dict:
+def count_bytes(flags: list, backend: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        torchrun(WORLD, ["benchmarks.mesh_worker", f"{tmp}/bytes.json", *flags,
+        torchrun(WORLD, ["benchmarks.mesh_worker", f"{tmp}/bytes.json", backend, *flags,
                          "--config.plan.cpu_collectives=gloo"], timeout=1200)
         return json.loads(pathlib.Path(f"{tmp}/bytes.json").read_text())
 
 
-def train(flags: list) -> dict:
-    records = run_cli(flags, nproc=WORLD, timeout=1800)
+def train(flags: list, backend: str) -> dict:
+    records = run_cli(["--backend", backend, *flags], nproc=WORLD, timeout=1800)
     steps = [r for r in records if "loss" in r]
     last = steps[-1]
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steps[1:]),
             "peak_mb": max(last["peak_mem_mb"]), "final_loss": last["loss"]}
 
 
-def measure(setting: Setting, shape: dict, moe_dir: str | None, seq_len: int, steps: int) -> dict:
+def measure(setting: Setting, shape: dict, moe_dir: str | None, seq_len: int, steps: int, backend: str) -> dict:
     flags = [*model_flags(shape, moe_dir), *common_flags(seq_len, steps),
              *(f"--config.{k}={v}" for k, v in setting.plan.items())]
-    counted = count_bytes(setting, flags)
+    counted = count_bytes(flags, backend)
     expected = formula(setting, counted, shape, seq_len)
-    return {"setting": setting.name, "seq_len": seq_len, **counted, "expected_per_step": expected, **train(flags),
+    return {"setting": setting.name, "seq_len": seq_len, **counted, "expected_per_step": expected,
+            **train(flags, backend),
             "state_mb_per_rank": max(s + g for s, g in zip(counted["state_mb"], counted["grad_mb"]))}
 
 
@@ -152,6 +155,26 @@ def report(rows: list) -> str:
     return table(headers, lines)
 
 
+def run_table(settings: list, shape: dict, lengths: tuple, steps: int, backend: str, on_error=None) -> list:
+    """One row per setting (and per length for those that run at the long sequence too). `on_error(setting,
+    error)`, when given, records a failed setting and goes on (the GPU script's budget); else it raises."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        moe_dir = save_mixtral(shape, pathlib.Path(tmp) / "mixtral") if any(s.moe for s in settings) else None
+        for setting in settings:
+            for seq_len in lengths[:2 if setting.long or setting.name == "fsdp4" else 1]:
+                try:
+                    rows.append(measure(setting, shape, moe_dir if setting.moe else None, seq_len, steps, backend))
+                except RuntimeError as err:
+                    if on_error is None:
+                        raise
+                    on_error(setting, err)
+                    continue
+                print(f"{setting.name} L={seq_len}: {rows[-1]['sent_per_step']} "
+                      f"{rows[-1]['tokens_per_sec']:,.0f} tokens/s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model and 2 steps: checks the script, measures nothing")
@@ -164,14 +187,7 @@ def main() -> None:
     lengths = (64, 128) if args.quick else (args.seq_len, args.long)
     steps = 2 if args.quick else args.steps
     chosen = [s for s in SETTINGS if not args.only or s.name in args.only.split(",")]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        moe_dir = save_mixtral(shape, pathlib.Path(tmp) / "mixtral") if any(s.moe for s in chosen) else None
-        for setting in chosen:
-            for seq_len in lengths[:2 if setting.long or setting.name == "fsdp4" else 1]:
-                rows.append(measure(setting, shape, moe_dir if setting.moe else None, seq_len, steps))
-                print(f"{setting.name} L={seq_len}: {rows[-1]['sent_per_step']} "
-                      f"{rows[-1]['tokens_per_sec']:,.0f} tokens/s", flush=True)
+    rows = run_table(chosen, shape, lengths, steps, "cpu")
     print()
     print(report(rows))
     out = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_mesh_quick.json" if args.quick else \

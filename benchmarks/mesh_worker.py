@@ -1,6 +1,6 @@
 """One torchrun rank of the mesh benchmark's byte count (`python -m benchmarks.mesh`):
 
-    python -m torch.distributed.run --nproc_per_node N -m benchmarks.mesh_worker OUT.json [--config.a.b=v ...]
+    python -m torch.distributed.run --nproc_per_node N -m benchmarks.mesh_worker OUT.json cpu|cuda [--config.a.b=v ...]
 
 Trains one warm-up step through the torch backend's own `init` / `train_step`, then counts the bytes this rank
 sends in the next steps (benchmarks/comm_bytes.py) and writes, from rank 0, what the formulas of
@@ -41,10 +41,10 @@ def fsdp_bytes(model) -> tuple:
     return total, root, shard, replicate
 
 
-def measure(overrides: list, steps: int = 2) -> dict:
+def measure(backend_name: str, overrides: list, steps: int = 2) -> dict:
     config = config_from_flags(overrides)
-    backend = backends.load("cpu")
-    state = backend.init(config, resolve_plan(config, int(os.environ["WORLD_SIZE"])), "cpu")
+    backend = backends.load(backend_name)
+    state = backend.init(config, resolve_plan(config, int(os.environ["WORLD_SIZE"])), backend_name)
     where = backend.placement(state)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, None)
@@ -62,8 +62,8 @@ def measure(overrides: list, steps: int = 2) -> dict:
 
 
 def main() -> None:
-    out, overrides = sys.argv[1], sys.argv[2:]
-    result = measure(overrides)
+    out, backend_name, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    result = measure(backend_name, overrides)
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:
             json.dump(result, f)

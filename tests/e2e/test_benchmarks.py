@@ -57,3 +57,26 @@ def test_benchmarks_take_the_run_commands_config_overrides(monkeypatch):
     assert config.model.hidden_size == 96 and config.train.lr == 0.01
     with pytest.raises(SystemExit, match="error: config.train.stepz: unknown field; did you mean config.train.steps?"):
         common.parse_benchmark_args(parser, ["--config.train.stepz=3"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_quick_mesh_table_counts_fsdp_bytes_as_its_formula():
+    import tempfile
+    import pathlib
+
+    out = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_mesh_quick.json"
+    out.unlink(missing_ok=True)
+    proc = run_python(["-m", "benchmarks.mesh", "--quick"], timeout=2300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    from benchmarks.mesh import SETTINGS
+
+    assert {s.name for s in SETTINGS} == {r["setting"] for r in rows}
+    for row in rows:
+        sent, expected = row["sent_per_step"], row["expected_per_step"]
+        # FSDP's own collectives are counted exactly; what the other axes add is reported against its formula
+        for kind in ("all_gather", "reduce_scatter"):
+            assert sent.get(kind, 0) == pytest.approx(expected[kind], rel=1e-3), (row["setting"], kind)
+        if row["setting"] == "hsdp 2x2":
+            assert sent["all_reduce"] == pytest.approx(expected["all_reduce"], rel=0.01)
