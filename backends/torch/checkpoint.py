@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.torch.tensor_parallel import sync_rng
 from portable_fsdp import checkpointing
 from portable_fsdp.plan import StateDictType
 
@@ -60,6 +61,7 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
             torch.cuda.set_rng_state(rng["cuda"])
     else:  # another backend or world size: a fresh, still deterministic stream per rank
         torch.manual_seed(checkpointing.resume_seed(state.ctx.config.seed, manifest["step"], dist.get_rank()))
+    sync_rng(state.ctx.meshes.tp, state.ctx.runtime.device)
     return dataclasses.replace(state, step=manifest["step"])
 
 

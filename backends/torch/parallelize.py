@@ -4,33 +4,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
 from portable_fsdp.backends.torch.mesh import Meshes
+from portable_fsdp.backends.torch.sequence_parallel import SPGroup, apply_sequence_parallel
+from portable_fsdp.backends.torch.tensor_parallel import apply_tensor_parallel
 from portable_fsdp.plan import ShardingPlan, WrapPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGroup | None, layer_classes: tuple,
-                device_type: str) -> nn.Module:
-    """Lower `plan` onto `model` in place (and return it), in this order, as torchtitan does:
+def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGroup | None, sp: SPGroup | None,
+                layer_classes: tuple, device_type: str, tp_plan: dict) -> bool:
+    """Lower `plan` onto `model` in place, in this order, as torchtitan does:
 
-    1. context parallelism (when `cp`): attention over the cp group's sequence shards;
-    2. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
-    3. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
-       `meshes.shard`.
+    1. tensor parallelism (meshes.tp): the modules `tp_plan` names split over the tp group;
+    2. expert parallelism belongs here, after tp: it changes the modules the later steps wrap and shard;
+    3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
+       sequence shards;
+    4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
+    5. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
+       `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp).
 
-    Tensor and expert parallelism belong before context parallelism in this order: they change the modules
-    the later steps wrap and shard."""
+    Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
+    then runs under torch's loss_parallel."""
+    logits_sharded = False
+    if meshes.tp is not None:
+        logits_sharded = apply_tensor_parallel(model, meshes.tp, tp_plan, strict=bool(plan.tp_plan))
     if cp is not None:
         apply_context_parallel(model, cp)
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
-    apply_fsdp(model, plan, meshes.shard, layer_classes, device_type)
-    return model
+    apply_fsdp(model, plan, meshes, layer_classes, device_type)
+    return logits_sharded
 
 
 def _class_name(module: nn.Module) -> str:
@@ -53,8 +63,8 @@ def fsdp_kwargs(plan: ShardingPlan, mesh, device_type: str) -> dict:
                 mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[mp.param_dtype], reduce_dtype=DTYPES[mp.reduce_dtype]))
 
 
-def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple, device_type: str) -> None:
-    kwargs = fsdp_kwargs(plan, mesh, device_type)
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_classes: tuple, device_type: str) -> None:
+    kwargs = fsdp_kwargs(plan, meshes.dp, device_type)
     if plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP:
         units = [m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)]
     elif plan.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP:
@@ -65,8 +75,20 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh, layer_classes: tuple,
         fully_shard(unit, **kwargs)
     # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if plan.reshard_after_forward else False})
-    if device_type == "cpu" and mesh.size() > 1 and plan.cpu_collectives == "auto":
-        use_cpu_collectives([*units, model], mesh.get_group())
+    sum_gradients(model)
+    if device_type == "cpu" and meshes.shard.size() > 1 and plan.cpu_collectives == "auto":
+        use_cpu_collectives([*units, model], meshes.shard.get_group())
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Every FSDP unit of `model` sums gradients over its data-parallel ranks instead of averaging them: the loss
+    is scaled by 1 / (label tokens of the global batch) before backward, so a sum is the global mean. One rule
+    for every unit, whatever mesh it is sharded over (HSDP's replicas included, expert units on a smaller mesh):
+    nothing is divided twice. Sums only (no PREMUL_SUM, no AVG), which gloo has."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:

@@ -1,10 +1,11 @@
 """The torch lowering's side of the backend contract (the `Backend` Protocol in portable_fsdp/backend.py):
 start-up, the training and evaluation steps, and what the loop asks of a running state.
 
-Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch, the tokens
-counted before context parallelism shards a batch. FSDP averages gradients over the ranks it shards
-over, so each rank's backward scales its token-loss sum by shard_ranks / global_tokens (gloo has no
-PREMUL_SUM to do it inside the reduce-scatter).
+Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank) batch, the tokens counted
+before context or sequence parallelism shards a batch, by one rank of each group that shares a batch (its
+cp|sp × tp ranks). FSDP sums gradients over its mesh (parallelize.sum_gradients; HSDP's replicas included), so
+each rank's backward scales its token-loss sum by 1 / global_tokens. A tp group computes one loss, replicated:
+its sum is counted once, never tp_size times.
 """
 from __future__ import annotations
 
@@ -22,14 +23,18 @@ from portable_fsdp.backends.hf_torch import matmul, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.model import broadcast_from_rank0
 from portable_fsdp.backends.torch.parallelize import parallelize
+from portable_fsdp.backends.torch.sequence_parallel import SPGroup
+from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
 from portable_fsdp.data.loader import Batch
 from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
+from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 from portable_fsdp.sequence_split import gathered_order
@@ -44,14 +49,22 @@ class Context:
     config: object
     meshes: Meshes
     cp: CPGroup | None
+    sp: SPGroup | None
+    logits_sharded: bool  # over the vocabulary (tensor parallelism): the loss runs under loss_parallel
     info: ModelInfo
     schedule: object
     baseline_mb: float  # this process's memory before the model existed (libraries, process group)
 
     @property
     def counts_tokens(self) -> bool:
-        """One rank per cp group counts a batch's label tokens (its ranks share the batch)."""
-        return self.cp is None or self.cp.cp_rank == 0
+        """One rank per cp|sp × tp group counts a batch's label tokens (its ranks share the batch)."""
+        return self.meshes.leads_batch_group
+
+    @property
+    def counts_loss(self) -> bool:
+        """One rank per tp group adds its token-loss sum (a tp group computes one loss; cp|sp ranks hold
+        different tokens, each adds its own)."""
+        return self.meshes.coordinates["tp"] == 0
 
 
 @dataclasses.dataclass
@@ -68,24 +81,28 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     baseline_mb = _memory_now_mb(runtime.device)
     layer_classes = plan.wrap_classes(info)
     meshes = build_meshes(plan.mesh, runtime.device.type)
-    cp = None
+    cp = sp = None
     if meshes.cp is not None:
         cp = CPGroup(group=meshes.cp.get_group(), mesh=meshes.cp, cp_rank=meshes.cp_rank, cp_size=plan.mesh.cp_size,
                      rotate_method=plan.cp_rotate_method, impl=plan.resolved_cp_impl(runtime.device.type),
                      load_balance=plan.cp_load_balance)
+    if meshes.sp is not None:
+        sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
     rank0_only = plan.cpu_ram_efficient_loading
     model = model_lib.create_model(config, runtime.rank, rank0_only)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    parallelize(model, plan, meshes, cp, layer_classes, runtime.device.type)
+    logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, runtime.device.type,
+                                 tensor_parallel_plan(plan, info))
     parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
     if rank0_only:
         broadcast_from_rank0(model, full_weights, parameters_on)
+    sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
-    return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, info, schedule_for(config.train),
-                                                          baseline_mb))
+    return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
+                                                   schedule_for(config.train), baseline_mb))
 
 
 def _all_reduce_sum(values: list, device: torch.device) -> list:
@@ -95,48 +112,99 @@ def _all_reduce_sum(values: list, device: torch.device) -> list:
 
 
 def train_step(state: TrainState, micro_batches: list) -> tuple:
-    ctx, model = state.ctx, state.model
-    device = ctx.runtime.device
-    model.train()
-    counted = sum(b.num_label_tokens for b in micro_batches) if ctx.counts_tokens else 0
-    (global_tokens,) = _all_reduce_sum([counted], device)
-    # FSDP averages gradients over its mesh (fsdp x cp ranks); undo that so they sum, then divide by tokens.
-    scale = ctx.meshes.shard.size() / max(global_tokens, 1.0)
-
-    @contextlib.contextmanager
-    def forward(index: int, batch: Batch):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # reduce-scatter after the last only
-        # The backward runs inside: checkpointed layers re-run CP attention on these shards.
-        with sequence_shard(ctx.cp, batch, device) as (input_ids, labels, positions):
-            yield token_loss_sum(model, input_ids, labels, positions)
-
-    loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
-                                    sum_dtype=torch.float64)
-    (total_loss,) = _all_reduce_sum([loss_sum.item()], device)
-    loss = total_loss / max(global_tokens, 1.0)
-    grad_norm = clip_grad_norm(model, ctx.config.train.max_grad_norm, device)
+    ctx = state.ctx
+    loss, global_tokens = compute_gradients(state, micro_batches)
+    grad_norm = clip_grad_norm(state.model, ctx.config.train.max_grad_norm, ctx.runtime.device)
     lr = ctx.schedule(state.step)
     finite = apply_update(state.optimizer, lr, loss, grad_norm, state.step + 1, ctx.config.train.nonfinite)
     metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics
 
 
+def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
+    """Forward and backward of this rank's micro-batches: every parameter's (sharded) gradient is then the
+    gradient of the global batch's mean token loss. Returns (that loss, the global batch's label tokens)."""
+    ctx, model = state.ctx, state.model
+    device = ctx.runtime.device
+    model.train()
+    counted = sum(b.num_label_tokens for b in micro_batches) if ctx.counts_tokens else 0
+    (global_tokens,) = _all_reduce_sum([counted], device)
+    scale = 1.0 / max(global_tokens, 1.0)  # FSDP sums gradients over its mesh (parallelize.sum_gradients)
+
+    @contextlib.contextmanager
+    def forward(index: int, batch: Batch):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # reduce-scatter after the last only
+        # The backward runs inside: checkpointed layers re-run CP/SP attention on these shards.
+        with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
+            yield _loss_sum(ctx, model, input_ids, labels, positions)
+
+    loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
+                                    sum_dtype=torch.float64)
+    if ctx.meshes.tp is not None:
+        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group())
+    (total_loss,) = _all_reduce_sum([loss_sum.item() if ctx.counts_loss else 0.0], device)
+    return total_loss / max(global_tokens, 1.0), global_tokens
+
+
+@contextlib.contextmanager
+def _sharded(ctx: Context, batch: Batch):
+    """This rank's (input_ids, labels, position_ids) of `batch`: a sequence slice under cp or sp, else all of it."""
+    device = ctx.runtime.device
+    if ctx.sp is not None:
+        with sequence_parallel.sequence_shard(ctx.sp, batch, device) as tensors:
+            yield tensors
+    else:
+        with sequence_shard(ctx.cp, batch, device) as tensors:
+            yield tensors
+
+
+def _loss_context(ctx: Context):
+    """torch's loss_parallel around a loss on vocabulary-sharded logits, its forward and backward: the
+    cross-entropy then reduces over the tp group, and no rank gathers a full-vocabulary row."""
+    if not ctx.logits_sharded:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _loss_sum(ctx: Context, model, input_ids, labels, positions) -> torch.Tensor:
+    """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
+    replicated loss)."""
+    loss = token_loss_sum(model, input_ids, labels, positions)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
-    """Global L2 norm over every rank's gradient shards, then in-place scaling (works on CPU-offloaded
-    DTensor gradients, where torch's clip_grad_norm_ does not)."""
+    """Global L2 norm of the gradients, then in-place scaling (works on CPU-offloaded DTensor gradients, where
+    torch's clip_grad_norm_ does not, and on parameters living on different meshes — norm weights sharded over
+    the data-parallel mesh only, tensor-parallel weights over (dp, tp) — where it fails too).
+
+    Every rank adds the squares of its local pieces, each weighted by the share of the world that holds that
+    very piece: a DTensor's local shard is held by world / (product of its sharded mesh dimensions) ranks (its
+    replicas: replicated mesh dimensions, and every rank outside its mesh, e.g. the tp ranks of a norm weight);
+    a plain tensor by every rank. One all-reduce of the weighted sums then counts every element once."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for g in local:
-        squares += g.detach().float().pow(2).sum().to(device)
+    world = dist.get_world_size()
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad, piece in zip(grads, local):
+        holders = world // _shard_count(grad) if isinstance(grad, DTensor) else world
+        squares += piece.detach().double().pow(2).sum().to(device) / holders
     dist.all_reduce(squares)
-    norm = math.sqrt(squares.item())
+    norm = math.sqrt(max(squares.item(), 0.0))
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for g in local:
                 g.mul_(coef)
     return norm
+
+
+def _shard_count(tensor: DTensor) -> int:
+    """Into how many distinct pieces `tensor` is split (the sizes of the mesh dimensions it is sharded over)."""
+    sizes = tensor.device_mesh.mesh.shape
+    return math.prod(size for size, p in zip(sizes, tensor.placements) if p.is_shard())
 
 
 def count_label_tokens(state: TrainState, batch: Batch) -> int:
@@ -148,12 +216,12 @@ def count_label_tokens(state: TrainState, batch: Batch) -> int:
 @torch.no_grad()
 def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once."""
+    ctx = state.ctx
     state.model.eval()
-    device = state.ctx.runtime.device
-    with sequence_shard(state.ctx.cp, batch, device) as (input_ids, labels, positions):
-        loss = token_loss_sum(state.model, input_ids, labels, positions).item()
+    with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
+        loss = _loss_sum(ctx, state.model, input_ids, labels, positions).item()
     _reshard(state.model)
-    return {"loss_sum": _all_reduce_sum([loss], device)[0]}
+    return {"loss_sum": _all_reduce_sum([loss if ctx.counts_loss else 0.0], ctx.runtime.device)[0]}
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -169,38 +237,44 @@ def _reshard(model: torch.nn.Module) -> None:
 def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
     """Predictions of the global batch, full length, in the original token order, on every rank.
 
-    Logits stay sharded along the sequence during the forward; only here are they gathered over the cp
-    group (and the load-balanced split undone), then over the data-parallel ranks. `return_logits`
-    gathers the full [global batch, seq_len, vocab] logits on every rank: that much memory per rank.
-    Batches without labels take the same path."""
+    Logits stay sharded along the sequence during the forward; only here are they gathered over the cp|sp
+    group (and the load-balanced split undone), then over the data-parallel ranks (and over the vocabulary
+    when tensor parallelism leaves them split there). `return_logits` gathers the full
+    [global batch, seq_len, vocab] logits on every rank: that much memory per rank. Batches without labels
+    take the same path."""
     ctx = state.ctx
     state.model.eval()
-    device = ctx.runtime.device
-    with sequence_shard(ctx.cp, batch, device) as (input_ids, _, positions):
-        logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+    with _sharded(ctx, batch) as (input_ids, _, positions):
+        logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        logits = logits.float()
     _reshard(state.model)
     outputs = {"predictions": logits.argmax(-1)}
     if return_logits:
         outputs["logits"] = logits
     if ctx.cp is not None:
-        outputs = {k: _unshard_cp(v, ctx.cp) for k, v in outputs.items()}
+        outputs = {k: _unshard_sequence(v, ctx.cp.group, ctx.cp.cp_size, ctx.cp.load_balance)
+                   for k, v in outputs.items()}
+    if ctx.sp is not None:
+        outputs = {k: _unshard_sequence(v, ctx.sp.group, ctx.sp.sp_size, False) for k, v in outputs.items()}
     if batch.labels is not None:
-        outputs["labels"] = torch.from_numpy(batch.labels).to(device)
+        outputs["labels"] = torch.from_numpy(batch.labels).to(ctx.runtime.device)
     return {k: _gather_data_parallel(v, ctx).cpu().numpy() for k, v in outputs.items()}
 
 
-def _unshard_cp(local: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-    gathered = gather_sequence_no_grad(local, cp.group, dim=1)
-    order = torch.from_numpy(gathered_order(gathered.shape[1], cp.cp_size, cp.load_balance)).to(local.device)
+def _unshard_sequence(local: torch.Tensor, group, size: int, load_balance: bool) -> torch.Tensor:
+    gathered = gather_sequence_no_grad(local, group, dim=1)
+    order = torch.from_numpy(gathered_order(gathered.shape[1], size, load_balance)).to(local.device)
     return torch.empty_like(gathered).index_copy_(1, order, gathered)
 
 
 def _gather_data_parallel(full_length: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """Rows of every data-parallel rank, in global-batch order (cp ranks hold identical copies)."""
+    """Rows of every data-parallel rank, in global-batch order: the ranks of a cp|sp × tp group are neighbours
+    and hold identical copies, so one in every group's size is taken."""
     parts = [torch.empty_like(full_length) for _ in range(ctx.runtime.world_size)]
     dist.all_gather(parts, full_length.contiguous())
-    cp_size = ctx.cp.cp_size if ctx.cp is not None else 1
-    return torch.cat(parts[::cp_size])
+    return torch.cat(parts[::ctx.meshes.batch_group_size])
 
 
 def _local_bytes(tensors) -> int:

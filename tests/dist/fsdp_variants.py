@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): train each named variant of the matrix (tests/parity/matrix.py) for N steps in one
-process group and write rank 0's per-step losses, the sharding it observed and a SHARDED checkpoint
-round-trip to JSON.
+process group and write rank 0's per-step losses, the sharding it observed, how far its first gradients are
+from one process's and a SHARDED checkpoint round-trip to JSON.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/fsdp_variants.py OUT.json STEPS V...
 """
@@ -10,14 +10,17 @@ import os
 import sys
 import tempfile
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp import backends
+from portable_fsdp.backends.torch import step as torch_step
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan
 from tests.parity.matrix import VARIANTS, make_config
+from tests.parity.reference import reference_gradients
 
 # 3 full eval batches of 8 and one with 3 real rows: ranks see different numbers of label tokens.
 EVAL_SEQUENCES = 27
@@ -35,6 +38,40 @@ def local_fraction(model) -> float:
     return mine / total
 
 
+def tp_sharded_fraction(model) -> float:
+    """Elements of the parameters split over the tp mesh dimension / elements of the model."""
+    split = total = 0
+    for p in model.parameters():
+        names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        if "tp" in names and p.placements[names.index("tp")].is_shard():
+            split += p.numel()
+        total += p.numel()
+    return split / total
+
+
+def gradient_deviation(config, state, batches, where) -> dict:
+    """Step 0's gradients (gathered whole) and their global norm as the backend computes them, against one
+    process's on the same global batch: the largest |g - g_ref| / |g_ref| (L2, per parameter). Leaves the
+    gradients zeroed and the weights as they were."""
+    torch_step.compute_gradients(state, batches.micro_batches(0, where.dp_rank, where.dp_size))
+    norm = torch_step.clip_grad_norm(state.model, 0.0, state.ctx.runtime.device)
+    grads = {}
+    for name, p in state.model.named_parameters():  # every rank gathers, in the same order
+        if p.grad is not None:
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.float().cpu()
+    state.optimizer.zero_grad(set_to_none=True)
+    if dist.get_rank() != 0:
+        return {}
+    one_batch = TrainBatches(batches.sequences, batches.global_batch, 1, batches.seed, batches.documents_end_at)
+    (whole,) = one_batch.micro_batches(0, 0, 1)  # one process reads the whole step as one batch
+    reference = reference_gradients(config, whole)
+    worst = max(float(torch.linalg.vector_norm(grads[n] - g) / torch.linalg.vector_norm(g))
+                for n, g in reference.items() if n is not None)
+    assert set(grads) == {n for n in reference if n is not None}, sorted(set(grads) ^ set(reference))
+    return {"gradient_deviation": worst, "grad_norm": norm, "reference_grad_norm": reference[None]}
+
+
 def run_variant(name: str, steps: int, backend) -> dict:
     config = make_config(VARIANTS[name].overrides)
     plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
@@ -46,6 +83,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
     evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size,
                          documents_end_at=ends)
     initial_eval = evaluate(backend, state, evals)
+    gradients = gradient_deviation(config, state, batches, where)
     sharded_after_eval = all(isinstance(p, DTensor) for p in state.model.parameters())
     first_predictions = backend.predict_step(state, evals[0])
     unlabeled = backend.predict_step(state, dataclasses.replace(evals[0], labels=None))
@@ -59,7 +97,8 @@ def run_variant(name: str, steps: int, backend) -> dict:
               "unlabeled_predictions_match": bool((unlabeled["predictions"] == first_predictions["predictions"]).all()),
               "all_dtensor": all(isinstance(p, DTensor) for p in state.model.parameters()),
               "sharded_after_eval": sharded_after_eval,
-              "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight}
+              "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight,
+              "tp_sharded_fraction": tp_sharded_fraction(state.model), **gradients}
     if name == "base":
         result.update(sharded_round_trip(config, plan, backend, state, data, where))
     return result

@@ -46,3 +46,17 @@ def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> 
 def max_relative_difference(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def reference_gradients(config, batch) -> dict:
+    """{parameter name: gradient} of the mean token loss of `batch` (one micro-batch of the whole global batch)
+    on the unsharded model at init, and their global L2 norm under the key None."""
+    model = create_model(config, rank=0, rank0_only=False)
+    positions = None if batch.position_ids is None else torch.from_numpy(batch.position_ids)
+    logits = model(input_ids=torch.from_numpy(batch.input_ids), position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), torch.from_numpy(batch.labels).flatten(),
+                           ignore_index=IGNORE_INDEX)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads[None] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    return grads

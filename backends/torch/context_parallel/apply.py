@@ -87,15 +87,21 @@ def sequence_shard(cp: CPGroup | None, batch, device):
              for r in range(cp.cp_size)]
     mine = shard_indices(seq_len, cp.cp_size, cp.cp_rank, cp.load_balance)
     segments = None if batch.segment_ids is None else torch.from_numpy(batch.segment_ids[:, mine]).to(device)
-    positions = np.broadcast_to(mine, (len(batch.input_ids), len(mine))) if batch.position_ids is None \
-        else batch.position_ids[:, mine]
     layout = ShardLayout(cp.group, cp.cp_rank, cp.cp_size, cp.rotate_method, tuple(index), segments)
     token = _active_layout.set(layout)
     try:
-        yield _tensors(batch.input_ids[:, mine], None if batch.labels is None else batch.labels[:, mine],
-                       positions, device)
+        yield slice_batch(batch, mine, device)
     finally:
         _active_layout.reset(token)
+
+
+def slice_batch(batch, mine, device):
+    """(input_ids, labels, position_ids) tensors of the tokens at positions `mine` of every row of `batch` (the
+    labels were shifted before: a slice keeps each token's own next-token label; positions stay global)."""
+    positions = np.broadcast_to(mine, (len(batch.input_ids), len(mine))) if batch.position_ids is None \
+        else batch.position_ids[:, mine]
+    return _tensors(batch.input_ids[:, mine], None if batch.labels is None else batch.labels[:, mine],
+                    positions, device)
 
 
 def _tensors(input_ids, labels, position_ids, device):

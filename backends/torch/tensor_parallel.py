@@ -1,0 +1,114 @@
+"""Tensor parallelism for the torch lowering: the plan's tensor-parallel plan (transformers' base_model_tp_plan
+notation, module patterns relative to the base model, `layers.*.self_attn.q_proj`) applied by hand with torch's
+`parallelize_module` over the tp mesh, before FSDP shards the result over the data-parallel mesh.
+
+Weights are not loaded through transformers' `DistributedConfig`: combined with data parallelism it places
+some shards on the wrong ranks without an error. Here every rank builds the same full model and keeps its own
+slice of each weight (`src_data_rank=None`: nothing is sent; with cpu_ram_efficient_loading the other ranks'
+meta-device slices are filled from rank 0 once FSDP has sharded them).
+
+- colwise: a Linear's output features are split (ColwiseParallel): q/k/v give each rank whole heads, gate/up
+  a slice of the MLP; outputs stay local tensors, so the model's attention runs unchanged on its heads.
+- rowwise: a Linear's input features are split (RowwiseParallel), its outputs summed over the tp group.
+- replicated_with_grad_allreduce: the weight stays whole on every tp rank, but each rank's gradient covers only
+  its heads (per-head q/k norms): `all_reduce_replicated_gradients` sums them over the tp group after backward.
+- The output projection (lm_head, when not tied to the input embedding) is split over the vocabulary with its
+  logits left sharded: the loss runs under torch's `loss_parallel`, so no rank gathers a full-vocabulary row
+  (fp32 logits of a 128k vocabulary are the largest activation of a step). A tied lm_head stays whole: the
+  embedding it shares would have to be split over the vocabulary too.
+- Sequence-parallel norms are not applied: transformers' decoder layers add the residual on plain tensors
+  between the norms and the projections, so the residual stream cannot stay sequence-sharded through a layer
+  without rewriting its forward; norms and residuals run replicated on every tp rank.
+- Experts (packed_colwise, moe_tp_experts) are split by expert parallelism (plan.ep_size), not here.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from portable_fsdp.errors import UserError
+
+GRAD_ALL_REDUCE = "_portable_fsdp_tp_grad_all_reduce"  # set on modules whose weight gradients are partial per rank
+EXPERT_STYLES = ("packed_colwise", "moe_tp_experts")
+
+
+def resolve_plan(base: nn.Module, tp_plan: dict, strict: bool) -> dict:
+    """{module name under `base`: style} for every module a pattern of `tp_plan` matches (atom by atom, `*`
+    within one atom). `strict`: a pattern that matches nothing is an error (a plan the user wrote)."""
+    names = [name for name, _ in base.named_modules() if name]
+    resolved = {}
+    for pattern, style in tp_plan.items():
+        atoms = pattern.split(".")
+        matched = [n for n in names if len(n.split(".")) == len(atoms)
+                   and all(fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
+        if not matched and strict:
+            raise UserError("plan.tp_plan", (
+                f"{pattern!r} matches no module of the model (patterns are relative to the base model; names "
+                f"look like {', '.join(names[-3:])})"))
+        resolved.update(dict.fromkeys(matched, style))
+    return resolved
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: bool = False) -> bool:
+    """Split the modules `tp_plan` names over `tp_mesh` in place; returns whether the logits come out sharded over
+    the vocabulary (the loss must then run under `loss_parallel`)."""
+    base = model.base_model
+    resolved = resolve_plan(base, tp_plan, strict)
+    experts = sorted({style for style in resolved.values() if style in EXPERT_STYLES})
+    if experts:
+        raise UserError("plan.tp_size", (
+            f"the model's tensor-parallel plan splits mixture-of-experts weights ({', '.join(experts)}), which "
+            "--backend cpu/cuda does not split over tp ranks; split the experts with plan.ep_size and set "
+            "plan.tp_size=1"))
+    for name, style in resolved.items():
+        module = base.get_submodule(name)
+        if style == "colwise":
+            parallelize_module(module, tp_mesh, ColwiseParallel(), src_data_rank=None)
+        elif style == "rowwise":
+            parallelize_module(module, tp_mesh, RowwiseParallel(), src_data_rank=None)
+        else:  # replicated_with_grad_allreduce
+            setattr(module, GRAD_ALL_REDUCE, True)
+    return _shard_logits(model, tp_mesh)
+
+
+def _shard_logits(model: nn.Module, tp_mesh) -> bool:
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if not isinstance(head, nn.Linear) or (embedding is not None and head.weight is embedding.weight):
+        return False
+    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                      use_local_output=False), src_data_rank=None)
+    return True
+
+
+def all_reduce_replicated_gradients(model: nn.Module, tp_group) -> None:
+    """Sum over the tp group the gradients of the weights kept whole whose gradient each rank computed from its
+    own heads only (after the last backward of a step: the sum is linear, accumulation included)."""
+    for module in model.modules():
+        if getattr(module, GRAD_ALL_REDUCE, False):
+            for param in module.parameters(recurse=False):
+                if param.grad is not None:
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    dist.all_reduce(grad, group=tp_group)
+
+
+def sync_rng(tp_mesh, device) -> None:
+    """Give every rank of the tp group the random state of its first rank: dropout on the activations a tp group
+    holds replicated must draw the same mask on every rank (after a resume at another mesh, each rank would
+    otherwise continue a stream of its own)."""
+    if tp_mesh is None:
+        return
+    group = tp_mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    state = torch.get_rng_state().to(device)
+    dist.broadcast(state, src=source, group=group)
+    torch.set_rng_state(state.cpu())
+    if device.type == "cuda":
+        cuda_state = torch.cuda.get_rng_state(device).to(device)
+        dist.broadcast(cuda_state, src=source, group=group)
+        torch.cuda.set_rng_state(cuda_state.cpu(), device)
