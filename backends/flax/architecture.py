@@ -1,7 +1,9 @@
 """The shape of a Llama, read from a transformers config: what the Flax model is built from.
 
 The families that are a Llama with a few switches are built by the same model: Qwen2 (biases on q/k/v, none
-on o) and Mistral (a sliding attention window). Only what their transformers models compute is accepted;
+on o), Mistral (a sliding attention window) and Mixtral (Mistral with a mixture of experts for its MLP: a top-k
+softmax router over `num_experts` experts, and the router's load-balancing loss when its config sets
+output_router_logits). Only what their transformers models compute is accepted;
 anything else (another model type — refused at start-up by the capability table —, another activation, a
 RoPE type whose frequencies change at run time) is a clear error, not a near miss.
 """
@@ -31,6 +33,9 @@ class LlamaArchitecture:
     sliding_windows: tuple = ()  # per layer: keys within this many tokens of the query (0: no window)
     inv_freq: tuple = ()  # RoPE inverse frequencies, float32 values (a tuple: hashable, static under jit)
     rope_attention_scaling: float = 1.0
+    num_experts: int = 0  # a MoE MLP (Mixtral) in every layer when > 0; intermediate_size is then an expert's
+    experts_per_token: int = 0
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight; 0 when output_router_logits is off
 
     @property
     def kv_groups(self) -> int:
@@ -46,6 +51,11 @@ def from_hf_config(hf_config) -> LlamaArchitecture:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError("model.init_from", (
             f"hidden_act {hf_config.hidden_act!r} is not supported by the flax backend (silu only)"))
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise UserError("model.init_from", (
+            f"router_jitter_noise {hf_config.router_jitter_noise} (random noise on the router's inputs) is not "
+            "applied by the flax backend; set it to 0 in the model's config.json, or train with --backend cpu, "
+            "cuda or xla"))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     rope_parameters = dict(hf_config.rope_parameters)
     inv_freq, scaling = inverse_frequencies(rope_parameters, head_dim)
@@ -57,7 +67,16 @@ def from_hf_config(hf_config) -> LlamaArchitecture:
         attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         output_bias=bool(getattr(hf_config, "attention_bias", False)),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), sliding_windows=sliding_windows(hf_config),
-        inv_freq=tuple(float(f) for f in inv_freq), rope_attention_scaling=float(scaling))
+        inv_freq=tuple(float(f) for f in inv_freq), rope_attention_scaling=float(scaling), **experts(hf_config))
+
+
+def experts(hf_config) -> dict:
+    """Mixtral's MoE settings ({} for a dense model)."""
+    if not getattr(hf_config, "num_local_experts", 0):
+        return {}
+    coef = float(hf_config.router_aux_loss_coef) if getattr(hf_config, "output_router_logits", False) else 0.0
+    return {"num_experts": int(hf_config.num_local_experts), "experts_per_token": int(hf_config.num_experts_per_tok),
+            "router_aux_loss_coef": coef}
 
 
 def sliding_windows(hf_config) -> tuple:

@@ -29,7 +29,7 @@ def save_checkpoint(state: TrainState, directory: pathlib.Path) -> None:
     if jax.process_index() != 0:
         return
     convert.write_safetensors(weights, arch, directory / checkpointing.WEIGHTS)
-    _write_hf_config(state.ctx.hf_config, directory)
+    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory)
     import torch
 
     torch.save(optimizer_state, directory / checkpointing.OPTIMIZER)
@@ -54,13 +54,13 @@ def _to_host(tree: dict) -> dict:
     return {name: np.asarray(jax.device_get(value)) for name, value in tree.items()}
 
 
-def _write_hf_config(hf_config, directory: pathlib.Path) -> None:
-    """What save_pretrained writes besides the weights: config.json (with the class to build) and
-    generation_config.json."""
+def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path) -> None:
+    """What save_pretrained writes besides the weights: config.json (with the class to build, e.g.
+    MixtralForCausalLM) and generation_config.json."""
     from transformers import GenerationConfig
 
     config = copy.deepcopy(hf_config)
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [model_class]
     config.dtype = "float32"
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)

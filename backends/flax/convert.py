@@ -1,7 +1,9 @@
 """Lossless weight conversion between a transformers Llama state dict and the Flax parameter dict.
 
 Names map one to one (see model.py); linear kernels are transposed (torch [out, in], flax [in, out]);
-the embedding is `embedding` in flax and `weight` in torch. A transpose and a rename lose no bit, in
+the embedding is `embedding` in flax and `weight` in torch. Mixtral's fused expert weights keep their names and
+are [in, out] per expert in flax as well: `experts.down_proj` torch [E, hidden, I] -> [E, I, hidden], and
+`experts.gate_up_proj` torch [E, 2I, hidden] -> [E, 2, hidden, I] (the gate half, then the up half). A transpose and a rename lose no bit, in
 any dtype. With tied embeddings the Flax model has no lm_head: the torch side gets `lm_head.weight`
 back as the embedding, as `LlamaForCausalLM.state_dict()` shows it.
 
@@ -30,6 +32,29 @@ def torch_name(flax_name: str) -> str:
 
 def is_kernel(flax_name: str) -> bool:
     return flax_name.endswith(".kernel")
+
+
+GATE_UP, DOWN = ".experts.gate_up_proj", ".experts.down_proj"
+
+
+def to_flax_layout(flax_name: str, array: np.ndarray) -> np.ndarray:
+    """A torch tensor's values in the flax parameter's layout (a transpose or reshape: no value changes)."""
+    if is_kernel(flax_name) or flax_name.endswith(DOWN):
+        return np.ascontiguousarray(np.swapaxes(array, -1, -2))
+    if flax_name.endswith(GATE_UP):
+        experts, fused, hidden = array.shape
+        return np.ascontiguousarray(np.swapaxes(array.reshape(experts, 2, fused // 2, hidden), -1, -2))
+    return array
+
+
+def to_torch_layout(flax_name: str, array: np.ndarray) -> np.ndarray:
+    """The inverse of to_flax_layout."""
+    if is_kernel(flax_name) or flax_name.endswith(DOWN):
+        return np.swapaxes(array, -1, -2)
+    if flax_name.endswith(GATE_UP):
+        experts, _, hidden, inner = array.shape
+        return np.swapaxes(array, -1, -2).reshape(experts, 2 * inner, hidden)
+    return array
 
 
 def tensor_to_numpy(tensor) -> np.ndarray:
@@ -64,7 +89,7 @@ def from_torch(state_dict: dict, flax_names, arch: LlamaArchitecture, field: str
     for name in flax_names:
         value = state_dict[torch_name(name)]
         array = value if isinstance(value, np.ndarray) else tensor_to_numpy(value)
-        params[name] = np.ascontiguousarray(array.T) if is_kernel(name) else array
+        params[name] = to_flax_layout(name, array)
     if arch.tie_word_embeddings and TIED_HEAD in state_dict:
         head = state_dict[TIED_HEAD]
         head = head if isinstance(head, np.ndarray) else tensor_to_numpy(head)
@@ -79,7 +104,7 @@ def to_torch(params: dict, arch: LlamaArchitecture, with_tied_head: bool = True)
     state_dict = {}
     for name, value in params.items():
         array = np.asarray(value)
-        state_dict[torch_name(name)] = numpy_to_tensor(array.T if is_kernel(name) else array)
+        state_dict[torch_name(name)] = numpy_to_tensor(to_torch_layout(name, array))
     if arch.tie_word_embeddings and with_tied_head:
         state_dict[TIED_HEAD] = state_dict[EMBEDDING]
     return state_dict

@@ -1,5 +1,6 @@
-"""A flax.nnx Llama that computes what transformers' LlamaForCausalLM computes — and Qwen2ForCausalLM and
-MistralForCausalLM, which differ from it in biases and a sliding window (architecture.py).
+"""A flax.nnx Llama that computes what transformers' LlamaForCausalLM computes — and Qwen2ForCausalLM,
+MistralForCausalLM and MixtralForCausalLM, which differ from it in biases, a sliding window and a mixture of
+experts (architecture.py).
 
 Module and parameter names mirror the Hugging Face ones (`model.layers.0.self_attn.q_proj`), so weight
 conversion is a renaming plus a transpose of each linear kernel (flax keeps [in, out]). Dtypes follow
@@ -7,18 +8,25 @@ the parameters: cast the parameters to the compute dtype and the whole forward r
 torch's FSDP2 MixedPrecisionPolicy; RMSNorm variance and softmax statistics stay in float32.
 
 Parameters travel as a flat dict {"model.layers.0.self_attn.q_proj.kernel": array}; `ModelDef.apply`
-binds such a dict to the module graph inside a traced function.
+binds such a dict to the module graph inside a traced function. A `Layout` (sharding.py) says where the
+activations go on the mesh; the default places nothing.
+
+Mixtral's experts are dropless and computed densely: every expert runs on every token and the router's weights
+(zero for the experts a token did not choose) combine the outputs — exactly the sum transformers forms over the
+chosen experts, at num_experts / experts_per_token times the expert FLOPs of a sparse dispatch. Written so, the
+expert dimension is an ordinary array axis: split over `ep`, XLA moves the tokens to the experts and back.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
+from portable_fsdp.backends.flax.sharding import Layout
+
+NO_LAYOUT = Layout()
 
 
 class RMSNorm(nnx.Module):
@@ -86,14 +94,16 @@ class Attention(nnx.Module):
         self.o_proj = linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.output_bias)
         self.head_dim = arch.head_dim
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, layout: Layout):
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, -1, self.head_dim)
         k = self.k_proj(x).reshape(b, s, -1, self.head_dim)
         v = self.v_proj(x).reshape(b, s, -1, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return self.o_proj(grouped_attention(q, k, v, mask, self.head_dim**-0.5))
+        # Ulysses SP: from each device's tokens to its heads of the whole sequence (one all-to-all each), and back.
+        q, k, v = (layout.heads(layout.tokens(t)) for t in (q, k, v))
+        return self.o_proj(layout.tokens(grouped_attention(q, k, v, mask, self.head_dim**-0.5)))
 
 
 class MLP(nnx.Module):
@@ -102,28 +112,76 @@ class MLP(nnx.Module):
         self.up_proj = nnx.Linear(arch.hidden_size, arch.intermediate_size, use_bias=arch.mlp_bias, rngs=rngs)
         self.down_proj = nnx.Linear(arch.intermediate_size, arch.hidden_size, use_bias=arch.mlp_bias, rngs=rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, layout: Layout):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), None
+
+
+class Experts(nnx.Module):
+    """Mixtral's experts, fused as transformers keeps them: gate_up_proj [E, 2, hidden, I] (the gate, then the up
+    projection; torch's [E, 2I, hidden]), down_proj [E, I, hidden] (torch's [E, hidden, I]) — [in, out] per
+    expert like every kernel here, so a tensor-parallel split of I gives each tp rank its part of gate and up."""
+
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
+        e, h, i = arch.num_experts, arch.hidden_size, arch.intermediate_size
+        init = nnx.initializers.normal(0.02)
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, 2, h, i), jnp.float32))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), jnp.float32))
+
+    def __call__(self, x, combine, layout: Layout):
+        """x [b, s, hidden]; combine [b, s, E]: each token's weight for each expert (0 where not chosen)."""
+        gate_up = layout.experts(jnp.einsum("bsh,ephi->ebspi", x, self.gate_up_proj[...]))
+        hidden = layout.experts(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+        out = jnp.einsum("ebsi,eih->ebsh", hidden, self.down_proj[...])
+        mixed = jnp.einsum("ebsh,bse->bsh", out, combine.astype(out.dtype), preferred_element_type=jnp.float32)
+        return mixed.astype(x.dtype)
+
+
+class SparseMoeBlock(nnx.Module):
+    """transformers' MixtralSparseMoeBlock: softmax over the router's logits (float32), the top k kept and
+    renormalised. Returns (output, the load-balancing statistics when the loss is on: per expert the tokens
+    routed to it and the sum of its routing probabilities)."""
+
+    def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(arch.hidden_size, arch.num_experts, use_bias=False, rngs=rngs)
+        self.experts = Experts(arch, rngs)
+        self.top_k = arch.experts_per_token
+        self.balance = arch.router_aux_loss_coef > 0
+
+    def __call__(self, x, layout: Layout):
+        logits = self.gate(x)
+        num_experts = logits.shape[-1]
+        top, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        combine = jnp.einsum("bsk,bske->bse", top, jax.nn.one_hot(chosen, num_experts, dtype=top.dtype))
+        stats = None
+        if self.balance:  # transformers' load_balancing_loss_func: softmax in the logits' dtype, counts of top k
+            probs = jax.nn.softmax(logits, axis=-1)
+            _, picked = jax.lax.top_k(probs, self.top_k)
+            counts = jnp.sum(jax.nn.one_hot(picked, num_experts, dtype=jnp.float32), axis=(0, 1, 2))
+            stats = (counts, jnp.sum(probs.astype(jnp.float32), axis=(0, 1)))
+        return self.experts(x, combine, layout), stats
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, arch: LlamaArchitecture, rngs: nnx.Rngs):
         self.self_attn = Attention(arch, rngs)
-        self.mlp = MLP(arch, rngs)
+        self.mlp = SparseMoeBlock(arch, rngs) if arch.num_experts else MLP(arch, rngs)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, cos, sin, mask, layout: Layout):
+        """(hidden states, the MoE layer's load-balancing statistics or None)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, layout)
+        out, stats = self.mlp(self.post_attention_layernorm(x), layout)
+        return x + out, stats
 
 
-def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)
+def _run_layer(layer: DecoderLayer, x, cos, sin, mask, layout):
+    return layer(x, cos, sin, mask, layout)
 
 
 # Activation checkpointing: each layer's activations are recomputed in backward instead of stored.
-_run_layer_rematerialized = nnx.remat(_run_layer)
+_run_layer_rematerialized = nnx.remat(_run_layer, static_argnums=(5,))
 
 
 class LlamaModel(nnx.Module):
@@ -134,15 +192,20 @@ class LlamaModel(nnx.Module):
         self.arch = arch
         self.remat = remat
 
-    def __call__(self, input_ids, positions, constrain: Callable = lambda h: h):
-        h = constrain(self.embed_tokens(input_ids))
+    def __call__(self, input_ids, positions, layout: Layout = NO_LAYOUT):
+        """(final hidden states, the load-balancing statistics summed over layers, or None)."""
+        h = layout.hidden(self.embed_tokens(input_ids))
         cos, sin = rotary_cos_sin(self.arch, positions, h.dtype)
         windows = self.arch.sliding_windows or (0,) * len(self.layers)
         masks = {window: attention_mask(positions, window) for window in set(windows)}
         run = _run_layer_rematerialized if self.remat else _run_layer
+        total = None
         for layer, window in zip(self.layers, windows):
-            h = constrain(run(layer, h, cos, sin, masks[window]))
-        return self.norm(h)
+            h, stats = run(layer, h, cos, sin, masks[window], layout)
+            h = layout.hidden(h)
+            if stats is not None:
+                total = stats if total is None else jax.tree.map(jnp.add, total, stats)
+        return self.norm(h), total
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -151,11 +214,21 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if arch.tie_word_embeddings else nnx.Linear(
             arch.hidden_size, arch.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, input_ids, positions, constrain: Callable = lambda h: h):
-        h = self.model(input_ids, positions, constrain)
-        if self.lm_head is None:
-            return self.model.embed_tokens.attend(h)
-        return self.lm_head(h)
+    def __call__(self, input_ids, positions, layout: Layout = NO_LAYOUT):
+        """(logits, the router's load-balancing loss — 0 without one)."""
+        h, stats = self.model(input_ids, positions, layout)
+        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits, load_balancing_loss(stats, input_ids.size * len(self.model.layers))
+
+
+def load_balancing_loss(stats, rows: int):
+    """transformers' load_balancing_loss_func over every layer's tokens (`rows` = tokens × layers), unweighted:
+    num_experts × Σ_e (fraction of top-k assignments to e) × (mean routing probability of e). The sums run over
+    the whole batch the program sees — every row of every device, never per device."""
+    if stats is None:
+        return jnp.float32(0.0)
+    counts, probs = stats
+    return counts.shape[0] * jnp.sum((counts / rows) * (probs / rows))
 
 
 def dotted(path: tuple) -> str:
@@ -183,9 +256,13 @@ class ModelDef:
         state = nnx.from_flat_state({_path(name): var.replace(params[name]) for name, var in self.variables.items()})
         return nnx.merge(self.graphdef, state)
 
-    def apply(self, params: dict, input_ids, positions, constrain: Callable = lambda h: h):
+    def apply(self, params: dict, input_ids, positions, layout: Layout = NO_LAYOUT):
         """Logits [b, s, vocab] in the parameters' dtype."""
-        return self.bind(params)(input_ids, positions, constrain)
+        return self.forward(params, input_ids, positions, layout)[0]
+
+    def forward(self, params: dict, input_ids, positions, layout: Layout = NO_LAYOUT):
+        """(logits, the router's load-balancing loss: 0 for a dense model or without output_router_logits)."""
+        return self.bind(params)(input_ids, positions, layout)
 
 
 def define(arch: LlamaArchitecture, remat: bool = False) -> ModelDef:

@@ -2,8 +2,14 @@
 
 Each is compiled once per batch shape with explicit shardings: parameters and optimizer state as
 the plan places them (sharding.py), batches split by rows over the data axes and along the sequence
-over cp. Parameters are cast to the compute dtype inside the program (mixed precision: float32
-masters, gradients flow back to them through the cast).
+over cp or sp; activations placed by the mesh's Layout. Parameters are cast to the compute dtype inside the
+program (mixed precision: float32 masters, gradients flow back to them through the cast).
+
+A MoE model whose config sets output_router_logits trains on Σ token losses / Σ label tokens + coef × the
+router's load-balancing loss, as transformers' MixtralForCausalLM adds it. That loss is computed per
+micro-batch over all of its rows (every device's — the global batch, never one device's share) and averaged over
+the micro-batches of a step, so accumulating gradients over k micro-batches of n rows trains as one batch of
+k·n rows would with its load-balancing loss taken per micro-batch. eval_loss stays Σ token losses / Σ tokens.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ def token_loss_sum(logits, labels):
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    # (params, opt_state, input_ids, labels, positions [A, b, s], label_tokens, lr) -> (params, opt_state, metrics)
+    # (params, opt_state, input_ids, labels, positions [A, b, s], label_tokens, lr) -> (params, opt_state, metrics:
+    # loss_sum, router_loss — coef × the mean load-balancing loss, 0 without one —, grad_norm, finite)
     train: Callable
     eval_loss_sum: Callable  # (params, input_ids, labels, positions [b, s]) -> Σ token losses
     predict: Callable  # (params, input_ids, positions, return_logits) -> {"predictions"[, "logits"]}
@@ -39,35 +46,45 @@ class Programs:
 
 def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
           opt_sharding, compute_dtype) -> Programs:
-    rows = sharding.activation_sharding(mesh)
+    layout = sharding.Layout(mesh)
+    coef = model_def.arch.router_aux_loss_coef
+
+    def forward(params, input_ids, positions):
+        compute = {name: p.astype(compute_dtype) for name, p in params.items()}
+        return model_def.forward(compute, input_ids, positions, layout)
 
     def logits_of(params, input_ids, positions):
-        compute = {name: p.astype(compute_dtype) for name, p in params.items()}
-        return model_def.apply(compute, input_ids, positions, lambda h: jax.lax.with_sharding_constraint(h, rows))
+        return forward(params, input_ids, positions)[0]
 
     def loss_sum(params, input_ids, labels, positions):
         return token_loss_sum(logits_of(params, input_ids, positions), labels)
 
     def train(params, opt_state, input_ids, labels, positions, label_tokens, lr):
+        micro_batches = input_ids.shape[0]
+
         def scaled_loss(p, micro):
-            total = loss_sum(p, *micro)
-            return total / label_tokens, total  # torch scales each micro-batch's backward the same way
+            ids, labels, positions = micro
+            logits, balance = forward(p, ids, positions)
+            total = token_loss_sum(logits, labels)
+            router = coef * balance / micro_batches
+            return total / label_tokens + router, (total, router)  # torch scales each micro-batch's backward so
 
         def accumulate(grad_sum, micro):
-            grads, total = jax.grad(scaled_loss, has_aux=True)(params, micro)
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(params, micro)
             grads = jax.lax.with_sharding_constraint(grads, param_sharding)  # reduce-scattered, as FSDP
-            return jax.tree.map(jnp.add, grad_sum, grads), total
+            return jax.tree.map(jnp.add, grad_sum, grads), totals
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, totals = jax.lax.scan(accumulate, zeros, (input_ids, labels, positions))
-        loss_total, grad_norm = totals.sum(), optax.tree.norm(grads)
+        grads, (totals, routers) = jax.lax.scan(accumulate, zeros, (input_ids, labels, positions))
+        loss_total, router_loss, grad_norm = totals.sum(), routers.sum(), optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, optimizer_lib.with_learning_rate(opt_state, lr), params)
         # A NaN/inf loss or gradient leaves parameters and AdamW's state as they were (torch skips
         # optimizer.step); the host then stops or skips the step as train.nonfinite says.
-        finite = jnp.isfinite(loss_total) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(loss_total) & jnp.isfinite(router_loss) & jnp.isfinite(grad_norm)
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
-        return params, opt_state, {"loss_sum": loss_total, "grad_norm": grad_norm, "finite": finite}
+        return params, opt_state, {"loss_sum": loss_total, "router_loss": router_loss, "grad_norm": grad_norm,
+                                   "finite": finite}
 
     def predict(params, input_ids, positions, return_logits):
         logits = logits_of(params, input_ids, positions).astype(jnp.float32)

@@ -1,73 +1,200 @@
-"""The neutral plan lowered to JAX sharding: a Mesh from the MeshSpec, and a PartitionSpec per array.
+"""The neutral plan lowered to JAX sharding: one Mesh from the MeshSpec, and a PartitionSpec per array.
 
-FSDP in JAX is a placement rule: each parameter (and its optimizer moments) is split along the
-shard axes — `fsdp`, and `cp` too when it is larger than 1, as the torch lowering shards over fsdp x cp —
-on its largest dimension that they divide, while the batch is split by rows along the data axes.
-XLA then gathers a layer's weights where the layer runs and reduce-scatters its gradients.
-Tensors under MIN_SHARDED_ELEMENTS (norm scales) are replicated: gathering them would cost more
-than the memory it saves.
+The mesh has every axis of the plan, outermost first as the MeshSpec orders ranks: dp_replicate, fsdp, ep, cp,
+sp, tp — `ep` being the inner part of the fsdp ranks (fsdp_size = mesh fsdp × ep), so every rank keeps the
+coordinates portable_fsdp.plan gives it. What each axis does is only where arrays are placed; a sharding never
+changes what XLA computes, so every combination computes what one device would:
 
-Context parallelism is the sequence axis of the batch and of the activations split along `cp`. The
-program is unchanged — a sharding never changes what XLA computes — so attention over the whole
-sequence stays exact: XLA gathers keys and values along `cp` where attention needs them.
+- FSDP is a placement rule: each parameter (and its AdamW moments) is split along the shard axes — fsdp and ep,
+  and cp or sp too when they are larger than 1, as the torch lowering shards over them — on its largest
+  dimension that they divide. XLA gathers a layer's weights where the layer runs and reduce-scatters its
+  gradients. Tensors under MIN_SHARDED_ELEMENTS (norm scales) are not split: gathering them costs more than
+  the memory it saves.
+- HSDP: parameters are not split over dp_replicate (a replica of the sharded model per dp_replicate index);
+  the batch's rows are split over dp_replicate × fsdp × ep, so gradients are reduced over all of them.
+- TP: the model's tensor-parallel plan (transformers' notation, `layers.*.self_attn.q_proj: colwise`) names the
+  parameters to split over `tp`: colwise ones on their output dimension, rowwise ones on their input dimension
+  (TP_DIMENSION), with fsdp on another dimension (2-D sharding). XLA all-reduces the rowwise outputs.
+- EP: a MoE layer's expert weights are split on the expert dimension over `ep`; the expert activations are
+  constrained to the same split (`Layout.experts`), so XLA moves the tokens to the experts and back.
+- CP and Ulysses SP: the batch's sequence is split over `cp` or `sp`. Under SP, q/k/v inside attention are
+  constrained to be split by heads over sp (`Layout.heads`) instead: XLA emits the all-to-alls that exchange
+  sequence for heads and back. Under CP, XLA gathers keys and values along `cp` where attention needs them.
+
+Specs name only the axes larger than 1, so a plan's placements read as what it splits (the golden files).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import MeshSpec
 
-FSDP = "fsdp"
-CP = "cp"
-DATA_AXES = (FSDP,)  # mesh axes whose devices read different rows of the batch
+DP_REPLICATE, FSDP, EP, CP, SP, TP = "dp_replicate", "fsdp", "ep", "cp", "sp", "tp"
+AXES = (DP_REPLICATE, FSDP, EP, CP, SP, TP)  # outermost first, as MeshSpec.coordinates orders ranks
+DATA_AXES = (DP_REPLICATE, FSDP, EP)  # devices that read different rows of the batch
+SEQUENCE_AXES = (CP, SP)  # devices that read different tokens of a row
+SHARD_AXES = (FSDP, EP, CP, SP)  # what FSDP splits parameters over (not dp_replicate: HSDP replicas)
 MIN_SHARDED_ELEMENTS = 1024
+EXPERTS = ".experts."  # a MoE layer's expert weights carry this in their name; their first dimension is the expert
+
+# Which dimension of a flax parameter each tensor-parallel style splits. Kernels are [..., in, out] (torch's
+# Linear is [out, in]), an embedding [vocab, hidden] (as torch's: transformers' rowwise embedding splits the
+# vocabulary), a bias [out]. Styles naming a whole module (moe_tp_experts) or keeping a weight whole
+# (replicated_with_grad_allreduce) split nothing: a sharding has no hooks to install.
+TP_DIMENSION = {"colwise": -1, "packed_colwise": -1, "rowwise": -2}
 
 
 def build_mesh(spec: MeshSpec, devices) -> Mesh:
-    """Devices laid out (fsdp, cp), cp innermost as in the torch lowering; `spec` is resolved."""
-    grid = np.asarray(devices[: spec.fsdp_size * spec.cp_size]).reshape(spec.fsdp_size, spec.cp_size)
-    return Mesh(grid, (FSDP, CP))
+    """The devices laid out as the plan's axes, tp innermost; `spec` is resolved."""
+    sizes = sizes_of(spec)
+    grid = np.asarray(devices[: math.prod(sizes.values())]).reshape(tuple(sizes.values()))
+    return Mesh(grid, tuple(sizes))
 
 
-def shard_axes(mesh: Mesh) -> tuple:
-    """The mesh axes parameters are split over: fsdp, and cp too under context parallelism."""
-    return (FSDP, CP) if mesh.shape[CP] > 1 else (FSDP,)
+def sizes_of(spec: MeshSpec) -> dict:
+    return {DP_REPLICATE: spec.dp_replicate_size, FSDP: spec.fsdp_size // spec.ep_size, EP: spec.ep_size,
+            CP: spec.cp_size, SP: spec.sp_size, TP: spec.tp_size}
 
 
-def param_spec(shape: tuple, shard_size: int, axes=FSDP) -> PartitionSpec:
-    """Shard the largest dimension `shard_size` divides (the first of equals); replicate small tensors."""
-    divisible = [d for d in range(len(shape)) if shape[d] % shard_size == 0]
-    if math.prod(shape) < MIN_SHARDED_ELEMENTS or not divisible:
-        return PartitionSpec(*([None] * len(shape)))
-    dim = max(divisible, key=lambda d: (shape[d], -d))
-    return PartitionSpec(*(axes if d == dim else None for d in range(len(shape))))
+def split_over(mesh: Mesh, axes) -> tuple:
+    """The axes of `axes` the mesh really splits over (size above 1)."""
+    return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
-def param_shardings(shapes: dict, mesh: Mesh) -> dict:
-    axes = shard_axes(mesh)
-    size = math.prod(mesh.shape[a] for a in axes)
-    named = axes if len(axes) > 1 else axes[0]  # a spec names one axis as "fsdp", not ("fsdp",)
-    return {name: NamedSharding(mesh, param_spec(tuple(s.shape), size, named)) for name, s in shapes.items()}
+def entry(axes: tuple):
+    """One PartitionSpec entry: None, an axis name, or a tuple of them."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def size_of(mesh: Mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def param_spec(shape: tuple, shard_size: int, axes=FSDP, fixed: dict | None = None) -> PartitionSpec:
+    """`fixed` dimensions (dim -> entry: tp, ep) as given; `axes` (of `shard_size` devices) on the largest other
+    dimension they divide, the first of equals; small tensors get only their fixed dimensions."""
+    fixed = {d % len(shape): e for d, e in (fixed or {}).items()} if shape else {}
+    spec = [fixed.get(d) for d in range(len(shape))]
+    free = [d for d in range(len(shape)) if d not in fixed and shape[d] % shard_size == 0]
+    if shard_size > 1 and free and math.prod(shape) >= MIN_SHARDED_ELEMENTS:
+        spec[max(free, key=lambda d: (shape[d], -d))] = axes
+    return PartitionSpec(*spec)
+
+
+def tp_style(torch_name: str, tp_plan: dict) -> str | None:
+    """The style the plan gives a parameter, by transformers' rule: a pattern (relative to the base model, `*`
+    a layer index) names the parameter itself (`layers.*.mlp.experts.down_proj`) or the module holding it
+    (`layers.*.self_attn.q_proj` for its weight and bias)."""
+    name = torch_name.removeprefix("model.")
+    candidates = (name, name.rpartition(".")[0])
+    for candidate in candidates:
+        for pattern, style in tp_plan.items():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), candidate):
+                return style
+    return None
+
+
+def param_shardings(shapes: dict, mesh: Mesh, tp_plan: dict | None = None, torch_name=lambda n: n) -> dict:
+    """{flax name: NamedSharding}. `torch_name` maps a flax name to the transformers name the tp plan's
+    patterns are written against."""
+    placed = {name: NamedSharding(mesh, _spec(name, tuple(s.shape), mesh, tp_plan or {}, torch_name))
+              for name, s in shapes.items()}
+    if mesh.shape[TP] > 1 and not any(TP in str(s.spec) for s in placed.values()):
+        raise UserError("plan.tp_plan", (
+            f"names none of the model's parameters ({', '.join(sorted(tp_plan or {})) or 'it is empty'}), so "
+            f"plan.tp_size={mesh.shape[TP]} would split nothing; write patterns like 'layers.*.self_attn.q_proj'"))
+    return placed
+
+
+def _spec(name: str, shape: tuple, mesh: Mesh, tp_plan: dict, torch_name) -> PartitionSpec:
+    fixed = {}
+    shard_axes = split_over(mesh, SHARD_AXES)
+    if EXPERTS in name and mesh.shape[EP] > 1:
+        fixed[0] = EP
+        shard_axes = tuple(a for a in shard_axes if a != EP)
+    style = tp_style(torch_name(name), tp_plan) if mesh.shape[TP] > 1 else None
+    if style in TP_DIMENSION and (len(shape) > 1 or style != "rowwise"):  # a rowwise bias is added whole
+        dim = TP_DIMENSION[style] if len(shape) > 1 else -1
+        if shape[dim] % mesh.shape[TP]:
+            raise UserError("plan.tp_size", (
+                f"{mesh.shape[TP]} does not divide {torch_name(name)}'s {style} dimension ({shape[dim]}); use a "
+                "tp_size that divides it, or leave it out of plan.tp_plan"))
+        fixed[dim] = TP
+    return param_spec(shape, size_of(mesh, shard_axes), entry(shard_axes), fixed)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def rows(mesh: Mesh):
+    return entry(split_over(mesh, DATA_AXES))
+
+
+def sequence(mesh: Mesh):
+    return entry(split_over(mesh, SEQUENCE_AXES))
+
+
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
-    """[..., rows, sequence]: rows over the data axes, the sequence over cp; `leading_axes` unsplit axes
+    """[..., rows, sequence]: rows over the data axes, the sequence over cp or sp; `leading_axes` unsplit axes
     before the rows (the micro-batch index)."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), DATA_AXES, CP))
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), rows(mesh), sequence(mesh)))
 
 
 def activation_sharding(mesh: Mesh) -> NamedSharding:
-    """Hidden states [b, s, d] stay split by rows (and sequence) between layers, so XLA gathers weights
-    (FSDP) rather than splitting activations along the model dimension."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXES, CP, None))
+    """Hidden states [b, s, d] stay split by rows (and sequence) between layers, whole on every tp rank (the
+    rowwise layers' outputs are all-reduced), so XLA gathers weights rather than splitting activations."""
+    return NamedSharding(mesh, PartitionSpec(rows(mesh), sequence(mesh), None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the model's activations are placed inside the compiled program (model.py calls these; outside a
+    mesh each is the identity): hidden states between layers, q/k/v inside attention, and a MoE layer's
+    per-expert activations."""
+
+    mesh: Mesh | None = None
+
+    def _constrain(self, x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def hidden(self, h):
+        """[b, s, d]: rows and sequence split, whole over tp."""
+        return h if self.mesh is None else self._constrain(h, rows(self.mesh), sequence(self.mesh), None)
+
+    def tokens(self, x):
+        """[b, s, ...] around attention under Ulysses SP — q/k/v as the projections make them, attention's output
+        before o_proj — split by sequence like the layer's input, so the projections run on each device's tokens
+        and the exchange of sequence for heads is an all-to-all (not a gather of the activations, nor a
+        reduction of o_proj's outputs). The other dimensions are as the weights split them (tp)."""
+        if self.mesh is None or self.mesh.shape[SP] == 1:
+            return x
+        free = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 2)
+        return self._constrain(x, rows(self.mesh), sequence(self.mesh), *free)
+
+    def heads(self, x):
+        """q/k/v [b, s, heads, head_dim]. Under Ulysses SP the whole sequence, heads split over sp (inside each
+        tp rank's heads): the all-to-all from the sequence split. Otherwise left as the projections made it."""
+        if self.mesh is None or self.mesh.shape[SP] == 1:
+            return x
+        return self._constrain(x, rows(self.mesh), None, entry(split_over(self.mesh, (TP, SP))), None)
+
+    def experts(self, x):
+        """A MoE layer's per-expert activations [experts, b, s, ...]: experts split over ep, the tokens of an ep
+        group gathered to them (rows over the other data axes): XLA moves tokens over ep, never expert weights.
+        The feature dimensions follow the weights (split over tp when the plan splits the experts)."""
+        if self.mesh is None:
+            return x
+        other_rows = entry(split_over(self.mesh, (DP_REPLICATE, FSDP)))
+        free = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 3)
+        return self._constrain(x, entry(split_over(self.mesh, (EP,))), other_rows, sequence(self.mesh), *free)
 
 
 def optimizer_shardings(opt_state_shapes, param_sharding: dict, mesh: Mesh):

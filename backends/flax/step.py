@@ -1,7 +1,8 @@
 """The functional surface of the Flax lowering that the neutral loop drives (protocol: portable_fsdp/loop.py).
 
 One process drives every device of the mesh, so it reads the whole global batch (placement: dp_size 1)
-and the jitted programs split it over the devices: rows over fsdp, the sequence over cp. The initial
+and the jitted programs split it over the devices: rows over dp_replicate × fsdp, the sequence over cp or sp,
+parameters as sharding.py places them (tp and ep included). The initial
 weights are the torch backends' (the same seeded transformers model, converted). Losses are
 Σ token losses / Σ label tokens of the whole accumulated batch, counted on the host before any split.
 
@@ -23,6 +24,7 @@ from portable_fsdp.backends.flax import (architecture, convert, devices as devic
 from portable_fsdp.data.loader import Batch
 from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
+from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 
@@ -56,20 +58,22 @@ class TrainState:
 
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
-    devices = devices_lib.take(plan.mesh.fsdp_size * plan.mesh.cp_size)
+    devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
     mesh = sharding.build_mesh(plan.mesh, devices)
     baseline_mb = tuple(resources.memory_now_mb(device) for device in resources.reported_devices(mesh))
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
-    param_sharding = sharding.param_shardings(model_def.shapes, mesh)
+    info = architecture.describe_model(config)
+    param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
+                                              convert.torch_name)
     params = place(host_params, param_sharding)
     optimizer = optimizer_lib.build(config.train)
     opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype)
-    ctx = Context(config, plan, architecture.describe_model(config), hf_config, torch_names, model_def, mesh,
-                  param_sharding, opt_sharding, programs, schedule_for(config.train), baseline_mb)
+    ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
+                  schedule_for(config.train), baseline_mb)
     return TrainState(params, opt_state, 0, ctx)
 
 
@@ -110,7 +114,8 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     lr = ctx.schedule(state.step)
     params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
                                                 jnp.float32(max(tokens, 1)), jnp.float32(lr))
-    loss, grad_norm, finite = float(out["loss_sum"]) / max(tokens, 1), float(out["grad_norm"]), bool(out["finite"])
+    loss = float(out["loss_sum"]) / max(tokens, 1) + float(out["router_loss"])  # MoE: + its load-balancing loss
+    grad_norm, finite = float(out["grad_norm"]), bool(out["finite"])
     require_finite(state.step + 1, loss, grad_norm, ctx.config.train.nonfinite)  # the program already skipped it
     metrics = {"loss": loss, "tokens": int(tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics
