@@ -1,6 +1,7 @@
-"""plan.cp_size on flax: the sequence axis split over `cp` devices. Losses, eval_loss and predictions are
-those of the unsplit model (the traps of transformers#48167 and #48842: eval_loss times cp_size,
-predictions with cp_size times the rows). The losses under cp: the matrix's cp variants, tests/flax/test_parity.py."""
+"""plan.cp_size and plan.sp_size on flax: the sequence axis split over `cp` or `sp` devices (Ulysses SP exchanging
+it for heads around attention). Losses, eval_loss and predictions are those of the unsplit model (the traps of
+transformers#48167 and #48842: eval_loss times cp_size, predictions with cp_size times the rows). The losses
+under cp and sp: the matrix's variants, tests/flax/test_parity.py."""
 import numpy as np
 import pytest
 
@@ -9,7 +10,8 @@ from tests.flax.conftest import init_state, make_config, needs_devices
 pytestmark = needs_devices(2)
 
 
-def test_eval_loss_and_predictions_do_not_depend_on_cp():
+@pytest.mark.parametrize("axis", ["cp", pytest.param("sp", marks=pytest.mark.slow)])
+def test_eval_loss_and_predictions_do_not_depend_on_the_sequence_split(axis):
     from jax.sharding import PartitionSpec as P
 
     from portable_fsdp.backends.flax import sharding, step
@@ -20,14 +22,14 @@ def test_eval_loss_and_predictions_do_not_depend_on_cp():
     data = build_token_data(config.data, config.model.vocab_size, 1)
     batches = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches)
     results, predictions = {}, {}
-    for cp in (1, 2):
-        state = init_state(make_config({"plan.cp_size": cp}), 2)
-        if cp == 2:  # the sequence is split over cp, parameters over fsdp x cp
-            assert dict(state.ctx.mesh.shape) == {"fsdp": 1, "cp": 2}
-            assert sharding.batch_sharding(state.ctx.mesh).spec == P("fsdp", "cp")
-            assert state.params["lm_head.kernel"].sharding.spec == P(None, ("fsdp", "cp"))
-        results[cp] = evaluate(step, state, batches, compute_metrics=token_accuracy)
-        predictions[cp] = step.predict_step(state, batches[0])
+    for size in (1, 2):
+        state = init_state(make_config({f"plan.{axis}_size": size}), 2)
+        if size == 2:  # the sequence is split over the axis, parameters over it too (fsdp has size 1 here)
+            assert state.ctx.mesh.shape[axis] == 2 and state.ctx.mesh.shape["fsdp"] == 1
+            assert sharding.batch_sharding(state.ctx.mesh).spec == P(None, axis)
+            assert state.params["lm_head.kernel"].sharding.spec == P(None, axis)
+        results[size] = evaluate(step, state, batches, compute_metrics=token_accuracy)
+        predictions[size] = step.predict_step(state, batches[0])
     assert results[2]["eval_tokens"] == results[1]["eval_tokens"]
     assert results[2]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-6)
     assert results[2]["eval_token_accuracy"] == results[1]["eval_token_accuracy"]

@@ -19,7 +19,9 @@ def run_in_process(workdir, overrides: dict, world_size: int = 2) -> list:
 
 
 @needs_devices(2)
-def test_checkpoint_restores_weights_and_optimizer_state_exactly(tmp_path):
+@pytest.mark.parametrize("saved_under", [{}, pytest.param({"plan.tp_size": 2}, marks=pytest.mark.slow)])
+def test_checkpoint_restores_weights_and_optimizer_state_exactly(tmp_path, saved_under):
+    """Saved on 2 devices (fsdp 2, or tp 2), restored onto 1: a FULL checkpoint holds whole arrays."""
     import jax
     import numpy as np
 
@@ -28,7 +30,7 @@ def test_checkpoint_restores_weights_and_optimizer_state_exactly(tmp_path):
     from tests.flax.conftest import init_state
 
     config = make_config()
-    state = init_state(config, 2)
+    state = init_state(make_config(saved_under), 2)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, 1, config.seed)
     for index in range(2):
@@ -65,3 +67,15 @@ def test_a_torch_checkpoint_resumes_on_flax(tmp_path):
     resumed = run_in_process(tmp_path / "mixed", {"train.resume": True})
     torch_losses = [r["loss"] for r in read_metrics(tmp_path / "torch") if "loss" in r]
     assert max_relative_difference(resumed[10:], torch_losses[10:]) <= 1e-4
+
+
+@pytest.mark.slow
+@needs_devices(2)
+def test_a_checkpoint_written_under_tensor_parallelism_resumes_on_fsdp(tmp_path):
+    """Stopped at step 10 on tp 2, resumed on fsdp 2: steps 11-20 are those of a run that went straight through
+    on fsdp 2 (a FULL checkpoint does not depend on the mesh that wrote it)."""
+    straight = run_in_process(tmp_path / "straight", {})
+    first = run_in_process(tmp_path / "split", {"plan.tp_size": 2, "train.stop_at_step": 10})
+    both = run_in_process(tmp_path / "split", {"train.resume": True})
+    assert len(first) == 10 and len(both) == 20
+    assert max_relative_difference(both[10:], straight[10:]) <= 1e-5

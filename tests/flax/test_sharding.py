@@ -1,8 +1,8 @@
 """Each array sits where the plan says: parameters and AdamW moments split along `fsdp` on their largest
-divisible dimension, norm scales replicated, checked against a golden dump (as MaxText's sharding
-tests do) so a placement change shows up as a reviewed diff, never silently.
+divisible dimension (and along `tp` as the tensor-parallel plan says), norm scales replicated, checked against
+golden dumps (as MaxText's sharding tests do) so a placement change shows up as a reviewed diff, never silently.
 
-To rewrite the golden file after an intended change: python -m tests.flax.test_sharding --write-golden
+To rewrite the golden files after an intended change: python -m tests.flax.test_sharding --write-golden
 """
 import json
 import pathlib
@@ -12,7 +12,10 @@ import pytest
 
 from tests.flax.conftest import init_state, make_config, needs_devices
 
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "sharding_llama_tiny_test_fsdp2.json"
+GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+GOLDEN = GOLDEN_DIR / "sharding_llama_tiny_test_fsdp2.json"
+# golden file -> (plan overrides, devices): 2-D placements of fsdp 2 x tp 2
+GOLDENS = {GOLDEN.name: ({}, 2), "sharding_llama_tiny_test_fsdp2_tp2.json": ({"plan.tp_size": 2}, 4)}
 
 
 def placed_specs(state) -> dict:
@@ -27,10 +30,12 @@ def fsdp2_state():
     return init_state(make_config(), 2)
 
 
-@needs_devices(2)
-def test_parameter_shardings_match_the_golden_file(fsdp2_state):
-    golden = json.loads(GOLDEN.read_text())
-    placed = placed_specs(fsdp2_state)
+@needs_devices(4)
+@pytest.mark.parametrize("golden_file", list(GOLDENS))
+def test_parameter_shardings_match_the_golden_file(golden_file, fsdp2_state):
+    golden = json.loads((GOLDEN_DIR / golden_file).read_text())
+    overrides, world = GOLDENS[golden_file]
+    placed = placed_specs(fsdp2_state if golden_file == GOLDEN.name else init_state(make_config(overrides), world))
     changed = {n: (golden.get(n), placed.get(n)) for n in golden.keys() | placed.keys()
                if golden.get(n) != placed.get(n)}
     assert not changed, (f"(golden, placed) differ: {changed}; if the change is intended, review it and run "
@@ -72,10 +77,11 @@ def test_placement_rule():
 
 
 def write_golden() -> None:
-    specs = placed_specs(init_state(make_config(), 2))
-    lines = [f" {json.dumps(name)}: {json.dumps(spec)}" for name, spec in specs.items()]  # one parameter a line
-    GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {GOLDEN}")
+    for golden_file, (overrides, world) in GOLDENS.items():
+        specs = placed_specs(init_state(make_config(overrides), world))
+        lines = [f" {json.dumps(name)}: {json.dumps(spec)}" for name, spec in specs.items()]  # one parameter a line
+        (GOLDEN_DIR / golden_file).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        print(f"wrote {GOLDEN_DIR / golden_file}")
 
 
 if __name__ == "__main__" and "--write-golden" in sys.argv:

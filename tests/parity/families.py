@@ -86,13 +86,15 @@ def losses(workdir) -> list:
     return [r["loss"] for r in read_metrics(workdir) if "loss" in r]
 
 
-def assert_trains_like_plain_torch(backend: str, model_dir, tmp_path, env: dict | None = None) -> None:
-    """`python -m portable_fsdp.run --backend BACKEND --nproc 2` on the model: its first STEPS losses are the
-    plain-torch reference's within RTOL."""
+def assert_trains_like_plain_torch(backend: str, model_dir, tmp_path, env: dict | None = None, *, nproc: int = 2,
+                                   plan: dict | None = None) -> None:
+    """`python -m portable_fsdp.run --backend BACKEND --nproc NPROC` on the model (with `plan` overrides, e.g.
+    {"plan.ep_size": 2}): its first STEPS losses are the plain-torch reference's within RTOL."""
     from tests.conftest import cli
     from tests.parity.reference import max_relative_difference
 
-    proc = cli(["--backend", backend, "--nproc", "2", *cli_args(model_dir, tmp_path / "run")], cwd=tmp_path, env=env)
+    args = cli_args(model_dir, tmp_path / "run", plan)
+    proc = cli(["--backend", backend, "--nproc", str(nproc), *args], cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     trained = losses(tmp_path / "run")
     assert len(trained) == STEPS
