@@ -1,6 +1,8 @@
 """A single-process, unsharded training loop written with plain torch: the yardstick every
 sharded run is compared to. It shares only the model constructor and the data with the code under
-test; the loss, the backward, the clipping and the optimizer step are torch's own."""
+test; the loss, the backward, the clipping and the optimizer step are torch's own. A mixture-of-experts model
+whose config sets `output_router_logits` adds its router's load-balancing loss (`aux_loss`, over the whole
+batch of the step) as its own forward does when given labels."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +32,10 @@ def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> 
         input_ids = torch.from_numpy(batch.input_ids)
         labels = torch.from_numpy(batch.labels)
         positions = None if batch.position_ids is None else torch.from_numpy(batch.position_ids)
-        logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        outputs = model(input_ids=input_ids, position_ids=positions, use_cache=False)
+        loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        if getattr(outputs, "aux_loss", None) is not None:  # a MoE model whose config sets output_router_logits
+            loss = loss + model.router_aux_loss_coef * outputs.aux_loss  # as the model's own forward adds it
         loss.backward()
         if t.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
