@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import matmul, model as model_lib
-from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
+from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
 from portable_fsdp.backends.torch import sequence_parallel
@@ -130,13 +130,15 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
     counted = sum(b.num_label_tokens for b in micro_batches) if ctx.counts_tokens else 0
     (global_tokens,) = _all_reduce_sum([counted], device)
     scale = 1.0 / max(global_tokens, 1.0)  # FSDP sums gradients over its mesh (parallelize.sum_gradients)
+    # a MoE router's load-balancing loss (output_router_logits) over the whole batch, weighed as the model does
+    router = RouterLoss(global_tokens / len(micro_batches), lambda t: _sum_over_tokens(t, ctx.plan.mesh.tp_size))
 
     @contextlib.contextmanager
     def forward(index: int, batch: Batch):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # reduce-scatter after the last only
         # The backward runs inside: checkpointed layers re-run CP/SP attention on these shards.
         with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
-            yield _loss_sum(ctx, model, input_ids, labels, positions)
+            yield _loss_sum(ctx, model, input_ids, labels, positions, router)
 
     loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
                                     sum_dtype=torch.float64)
@@ -168,10 +170,16 @@ def _loss_context(ctx: Context):
     return loss_parallel()
 
 
-def _loss_sum(ctx: Context, model, input_ids, labels, positions) -> torch.Tensor:
+def _sum_over_tokens(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """`tensor` summed over every rank, in place, each token counted once (a tp group's ranks hold copies)."""
+    dist.all_reduce(tensor)
+    return tensor.div_(tp_size)
+
+
+def _loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
     """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
     replicated loss)."""
-    loss = token_loss_sum(model, input_ids, labels, positions)
+    loss = token_loss_sum(model, input_ids, labels, positions, router)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
