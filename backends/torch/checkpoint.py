@@ -32,7 +32,10 @@ def save_checkpoint(state, directory: pathlib.Path) -> None:
         model_sd = get_model_state_dict(state.model, options=FULL)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)
         if rank == 0:
-            state.model.save_pretrained(directory, state_dict=model_sd, safe_serialization=True)
+            # The model's own names (Mixtral's fused experts.gate_up_proj, not the hub's experts.N.w1): what
+            # resume reads back on every backend; from_pretrained loads both.
+            state.model.save_pretrained(directory, state_dict=model_sd, safe_serialization=True,
+                                        save_original_format=False)
             torch.save(optim_sd, directory / checkpointing.OPTIMIZER)
     else:
         dcp.save({"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)},

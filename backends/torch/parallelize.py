@@ -8,6 +8,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
+from portable_fsdp.backends.torch.expert_parallel import apply_expert_parallel, shard_experts
 from portable_fsdp.backends.torch.mesh import Meshes
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup, apply_sequence_parallel
 from portable_fsdp.backends.torch.tensor_parallel import apply_tensor_parallel
@@ -21,7 +22,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     """Lower `plan` onto `model` in place, in this order, as torchtitan does:
 
     1. tensor parallelism (meshes.tp): the modules `tp_plan` names split over the tp group;
-    2. expert parallelism belongs here, after tp: it changes the modules the later steps wrap and shard;
+    2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group, tokens sent to them;
     3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
        sequence shards;
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
@@ -33,12 +34,16 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     logits_sharded = False
     if meshes.tp is not None:
         logits_sharded = apply_tensor_parallel(model, meshes.tp, tp_plan, strict=bool(plan.tp_plan))
+    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else []
     if cp is not None:
         apply_context_parallel(model, cp)
     if sp is not None:
         apply_sequence_parallel(model, sp)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
+    if experts:  # sharded over the ranks that hold the same experts, before the layers holding them
+        shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
+                      host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")
     apply_fsdp(model, plan, meshes, layer_classes, device_type)
     return logits_sharded
 
