@@ -56,8 +56,11 @@ def test_ep_on_a_dense_model():
 
 
 def test_experts_must_divide_over_ep():
-    with user_error("plan.ep_size", "6 experts per layer do not split over 4 ranks; use e.g. plan.ep_size=3"):
+    # 3 would split the 6 experts but not the 4 fsdp ranks the ep ranks are taken from
+    with user_error("plan.ep_size", "6 experts per layer do not split over 4 ranks; use e.g. plan.ep_size=2"):
         check_mesh_fits(plan(4, ep_size=4), MIXTRAL)
+    with user_error("plan.ep_size", "6 experts per layer do not split over 4 ranks; use e.g. plan.ep_size=3"):
+        check_mesh_fits(plan(12, ep_size=4), MIXTRAL)
 
 
 def test_tp_on_a_model_without_a_plan_and_none_given():
