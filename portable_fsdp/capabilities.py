@@ -190,6 +190,11 @@ RULES = (
                                    ("data.document_masking", ON)), {
         "cuda": Refused("= true: torch's context_parallel (plan.cp_impl=auto takes it on CUDA) supports causal "
                         "attention only; use plan.cp_impl=portable, which honours document boundaries exactly")}),
+    # ---- Ulysses sequence parallelism
+    Rule("model.attn_implementation", (("plan.sp_size", Above(1)),
+                                       ("model.attn_implementation", NoneOf(("sdpa", "eager")))), dict.fromkeys(
+        TORCH, Refused("= {value}: Ulysses sequence parallelism on --backend {target} runs the model's sdpa or eager "
+                       "attention over the whole sequence on each rank's heads; set model.attn_implementation=sdpa"))),
     # ---- where the weights live and how they are gathered
     Rule("plan.cpu_offload", (("plan.cpu_offload", ON),), {
         **dict.fromkeys(XLA, Refused(

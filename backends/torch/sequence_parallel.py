@@ -9,7 +9,10 @@ registered for transformers' mask builders, the model passes no mask: the one ov
 here from global token indices — causal, packed documents kept apart (the batch's segment ids), the layer's
 sliding window — and none at all for plain causal SDPA, which then takes its is_causal kernels.
 
-Heads (and key/value heads) must divide by sp_size (checked at start-up, portable_fsdp/mesh_fit.py). DeepSpeed's
+Heads (and key/value heads) must divide by sp_size (checked at start-up, portable_fsdp/mesh_fit.py). Under tensor
+parallelism too, a tp rank may hold fewer key/value heads than sp_size (2 kv heads, tp 2, sp 2): its key/value
+heads are then repeated — each copy serving its share of the query heads — until every sp rank gets whole ones,
+as DeepSpeed's Ulysses does. DeepSpeed's
 Ulysses (ALST) is not used: it is published as a source distribution only and pulls in deepspeed.comm; the two
 all-to-alls below are the whole algorithm.
 """
@@ -19,6 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import sys
 
 import torch
@@ -113,6 +117,7 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError("sequence parallelism builds its own causal/document mask; a custom attention_mask "
                          "cannot be sharded — pass document boundaries as position_ids instead")
     group, size = layout.group, layout.sp_size
+    key, value, module = _enough_kv_heads(key, value, module, query.shape[1], size)
     q, k, v = (sequence_to_heads(t, group, size) for t in (query, key, value))
     attend = _inner_attention(module, inner)
     mask = layout.mask(q.shape[2], kwargs.pop("sliding_window", None),
@@ -121,10 +126,33 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return heads_to_sequence(out, group, size), None
 
 
+class _Regrouped:
+    """The attention module as the inner attention sees it, with fewer query heads per key/value head."""
+
+    def __init__(self, module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _enough_kv_heads(key, value, module, query_heads: int, size: int):
+    """Key/value heads repeated r times (the fewest that split over `size` ranks; r divides the query heads per
+    key/value head, so each copy serves a contiguous share of them), and the module seen with that grouping."""
+    kv_heads = key.shape[1]
+    if kv_heads % size == 0:
+        return key, value, module
+    r = size // math.gcd(kv_heads, size)
+    key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
+    return key, value, _Regrouped(module, query_heads // (kv_heads * r))
+
+
 def _inner_attention(module, inner: str):
     """The model's own attention function: SDPA from transformers' registry, eager from the model's module."""
     if inner == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
+        owner = module._module if isinstance(module, _Regrouped) else module
+        return sys.modules[type(owner).__module__].eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[inner]

@@ -16,10 +16,15 @@ meta-device slices are filled from rank 0 once FSDP has sharded them).
   logits left sharded: the loss runs under torch's `loss_parallel`, so no rank gathers a full-vocabulary row
   (fp32 logits of a 128k vocabulary are the largest activation of a step). A tied lm_head stays whole: the
   embedding it shares would have to be split over the vocabulary too.
+- Every rank of a tp group draws the same random numbers (`sync_rng`, at start-up and after a resume): dropout on
+  the activations the group holds replicated agrees across it; attention dropout, inside the split, then draws
+  the same mask for each rank's share of the heads.
 - Sequence-parallel norms are not applied: transformers' decoder layers add the residual on plain tensors
   between the norms and the projections, so the residual stream cannot stay sequence-sharded through a layer
   without rewriting its forward; norms and residuals run replicated on every tp rank.
-- Experts (packed_colwise, moe_tp_experts) are split by expert parallelism (plan.ep_size), not here.
+- A mixture-of-experts layer's experts (packed_colwise, moe_tp_experts, and what the plan names inside them) stay
+  whole on every tp rank, which then routes and computes the same tokens alike: experts are split by expert
+  parallelism (plan.ep_size), attention by tensor parallelism.
 """
 from __future__ import annotations
 
@@ -59,13 +64,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: b
     the vocabulary (the loss must then run under `loss_parallel`)."""
     base = model.base_model
     resolved = resolve_plan(base, tp_plan, strict)
-    experts = sorted({style for style in resolved.values() if style in EXPERT_STYLES})
-    if experts:
-        raise UserError("plan.tp_size", (
-            f"the model's tensor-parallel plan splits mixture-of-experts weights ({', '.join(experts)}), which "
-            "--backend cpu/cuda does not split over tp ranks; split the experts with plan.ep_size and set "
-            "plan.tp_size=1"))
+    experts = [name for name, style in resolved.items() if style in EXPERT_STYLES]
     for name, style in resolved.items():
+        if any(name == e or name.startswith(e + ".") for e in experts):
+            continue  # experts stay whole on every tp rank (see the module docstring)
         module = base.get_submodule(name)
         if style == "colwise":
             parallelize_module(module, tp_mesh, ColwiseParallel(), src_data_rank=None)

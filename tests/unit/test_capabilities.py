@@ -36,6 +36,9 @@ REFUSED = [
     ("xla", {"plan.cp_size": "2", "plan.xla_fsdp_v2": "false"}, "TPU", 2, "plan.cp_size", "cannot split sequences"),
     ("cuda", {"plan.cp_size": "2", "plan.cp_load_balance": "false"}, None, 2, "plan.cp_load_balance", "set plan.cp_impl=portable"),
     ("cuda", {"plan.cp_size": "2", "data.document_masking": "true"}, None, 2, "data.document_masking", "use plan.cp_impl=portable"),
+    ("cpu", {"plan.sp_size": "2", "model.attn_implementation": "flash_attention_2"}, None, 2,
+     "model.attn_implementation", "flash_attention_2: Ulysses sequence parallelism on --backend cpu runs the model's "
+     "sdpa or eager attention over the whole sequence on each rank's heads; set model.attn_implementation=sdpa"),
     ("xla", {"plan.cpu_offload": "true"}, "CPU", 2, "plan.cpu_offload", "set plan.cpu_offload=false"),
     ("flax", {"plan.cpu_offload": "true"}, "tpu", 2, "plan.cpu_offload", "with tpu devices; set it to false"),
     ("xla", {"plan.reshard_after_forward": "false"}, "CPU", 2, "plan.reshard_after_forward", "plan.xla_fsdp_v2=false"),
