@@ -35,6 +35,16 @@ def prime_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = moment
 
 
+def shard_gradients_like_parameters(params: list) -> None:
+    """Lay each gradient out like its parameter (and so its AdamW moments) before the step graph ends. Left to
+    itself XLA picks a gradient's layout from the backward (under sequence or tensor parallelism often another
+    dimension or axis), and the update graph would then move every such gradient across devices again."""
+    for p in params:
+        sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+        if p.grad is not None and sharding:
+            torch_xla._XLAC._xla_mark_sharding(p.grad, sharding)
+
+
 def clip_grad_norm(runtime: rt.Runtime, params: list, max_norm: float) -> torch.Tensor:
     """The global L2 norm of every gradient (a device scalar, nothing read back) and torch's clipping
     formula: scale by max_norm / (norm + 1e-6) when that is below 1."""

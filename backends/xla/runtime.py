@@ -17,6 +17,7 @@ import torch_xla.debug.metrics as xla_metrics
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from portable_fsdp.backends.xla import layout
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
 
@@ -44,10 +45,10 @@ def initialize(plan: ShardingPlan) -> Runtime:
         if not xr.is_spmd():
             xr.use_spmd()  # before any tensor reaches a device
         devices = xr.global_runtime_device_count()
-        cp = plan.mesh.cp_size
-        # cp is the inner axis, as in the torch backend: a sequence is split over neighbouring devices.
-        mesh = (xs.Mesh(np.arange(devices), (devices // cp, cp), ("fsdp", "cp")) if cp > 1
-                else xs.Mesh(np.arange(devices), (devices,), ("fsdp",)))
+        # One mesh for every axis of the plan, outermost first (backends/xla/layout.py): tp devices are
+        # neighbours, as are the devices one sequence is split over.
+        spec = plan.mesh.resolve(devices)
+        mesh = xs.Mesh(np.arange(devices), layout.mesh_shape(spec), layout.MESH_AXES)
         xs.set_global_mesh(mesh)
         return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices,
                        xr.process_count())
@@ -55,15 +56,21 @@ def initialize(plan: ShardingPlan) -> Runtime:
                    xr.world_size())
 
 
-def sequence_axis(mesh) -> str | None:
-    """The mesh axis sequences are split over (context parallelism), if any."""
-    return "cp" if "cp" in mesh.axis_names else None
+class _PartialShardingSpec(xs.ShardingSpec):
+    """torch_xla 2.9's ShardingSpec takes a spec that names a mesh axis for every dimension as fully tiled even
+    when the mesh has axes the spec leaves out (a batch is not split over tp, nor over axes of size 1), and the
+    transfer fails ("too many indices"); take the tiling, replication groups and type from the mesh, as
+    `mark_sharding` does."""
+
+    def __post_init__(self):
+        (self._tile_assignment, self._group_assignment, self._replication_groups,
+         self._sharding_type) = self.mesh._get_op_sharding_args(tuple(self.partition_spec))
 
 
 def batch_sharding(runtime: Runtime):
-    """[batch, sequence] arrays: rows over the fsdp axis, tokens over the cp axis when there is one; with
-    several hosts each feeds its own rows (torch_xla's `minibatch`)."""
-    return xs.ShardingSpec(runtime.mesh, ("fsdp", sequence_axis(runtime.mesh)), minibatch=runtime.process_count > 1)
+    """[batch, sequence] arrays: rows over the data-parallel axes, tokens over cp|sp (layout.activation_spec);
+    with several hosts each feeds its own rows (torch_xla's `minibatch`)."""
+    return _PartialShardingSpec(runtime.mesh, layout.activation_spec(2), minibatch=runtime.process_count > 1)
 
 
 def to_device(runtime: Runtime, arrays: list) -> list:

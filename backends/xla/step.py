@@ -72,7 +72,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    root = parallelize(model, plan, runtime, layer_classes, v1_kwargs)
+    root = parallelize(model, plan, runtime, info, layer_classes, v1_kwargs)
     named = tuple(params_lib.named_parameters(root, runtime.spmd))
     optimizer = optim.build_optimizer(named, config.train)
     optim.prime_state(optimizer)
@@ -118,6 +118,7 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     loss_sum = accumulate_gradients(inputs, forward, scale, rank=runtime.rank, step=state.step + 1,
                                     sum_dtype=torch.float32)
     loss = rt.device_sum(runtime, loss_sum) / tokens.clamp(min=1)
+    optim.shard_gradients_like_parameters([n.param for n in ctx.named])
     grad_norm = optim.clip_grad_norm(runtime, [n.param for n in ctx.named], ctx.config.train.max_grad_norm)
     rt.sync()
     loss_value, norm_value, token_count = loss.item(), grad_norm.item(), int(tokens.item())
