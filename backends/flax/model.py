@@ -131,7 +131,7 @@ class Experts(nnx.Module):
         """x [b, s, hidden]; combine [b, s, E]: each token's weight for each expert (0 where not chosen)."""
         gate_up = layout.experts(jnp.einsum("bsh,ephi->ebspi", x, self.gate_up_proj[...]))
         hidden = layout.experts(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
-        out = jnp.einsum("ebsi,eih->ebsh", hidden, self.down_proj[...])
+        out = layout.experts(jnp.einsum("ebsi,eih->ebsh", hidden, self.down_proj[...]))
         mixed = jnp.einsum("ebsh,bse->bsh", out, combine.astype(out.dtype), preferred_element_type=jnp.float32)
         return mixed.astype(x.dtype)
 
