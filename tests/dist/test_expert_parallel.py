@@ -1,0 +1,114 @@
+"""Expert parallelism (plan.ep_size) on gloo ranks against the single-process reference (tests/parity/reference.py):
+tiny MoE models (4 experts, top-2) trained 20 steps in fp32 under each variant of expert_parallel_check.py — the
+losses within 1e-5 of one process's, the eval loss before training one process's, and the experts split over the
+ep ranks (and sharded again only over the ranks holding the same experts), each weight's full value the unsharded model's.
+The router's load-balancing loss (output_router_logits, weight 0.1 so that it shapes every update; averaged per
+rank instead it moves the losses by ~2e-3) is on unless a variant's model says otherwise.
+
+The default suite runs ep2 on 2 ranks; `slow` runs the rest: without the router loss, ep inside a larger fsdp,
+ep = fsdp = 4, with cp, sp, tp and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient
+accumulation, bf16, and Qwen3-MoE."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist.expert_parallel_check import EVAL_SEQUENCES, VARIANTS
+from tests.dist.launch import torchrun
+from tests.parity import families
+from tests.parity.matrix import make_config
+from tests.parity.reference import max_relative_difference, reference_losses
+
+STEPS = 20
+FP32_RTOL = 1e-5
+BF16_RTOL = 2.0**-8  # one bf16 rounding step, as tests/dist/test_fsdp_parity.py
+HERE = os.path.dirname(__file__)
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+# family and config overrides of each model directory the variants name
+MODELS = {"mixtral": ("mixtral", {}), "mixtral_router": ("mixtral", ROUTER),
+          "qwen3_moe_router": ("qwen3_moe", dict(ROUTER, num_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                 moe_intermediate_size=48))}
+SLOW_VARIANTS = [name for name in VARIANTS if name != "ep2"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("moe")
+    for name, (family, overrides) in MODELS.items():
+        families.save_model(family, directory / name, **overrides)
+    return directory
+
+
+def run_variants(tmp_dir, models, names: list) -> dict:
+    """Every variant of `names` under torchrun, one process group per world size."""
+    results = {}
+    for world in sorted({VARIANTS[n].world for n in names}):
+        out = tmp_dir / f"results-{world}.json"
+        torchrun(world, os.path.join(HERE, "expert_parallel_check.py"), str(out), str(STEPS), str(models),
+                 *[n for n in names if VARIANTS[n].world == world])
+        results.update(json.loads(out.read_text()))
+    return results
+
+
+def config_of(models, name: str):
+    """The single-process reference's config: the variant's model and train fields, not its plan."""
+    variant = VARIANTS[name]
+    overrides = {k: v for k, v in variant.overrides.items() if not k.startswith("plan.")}
+    return make_config({**overrides, "model.init_from": str(models / variant.model)})
+
+
+def single_process_eval_loss(config) -> float:
+    """Σ token losses / Σ label tokens of the unsharded model over the eval batches the ranks split."""
+    from portable_fsdp.backends.hf_torch.model import create_model
+    from portable_fsdp.data.loader import IGNORE_INDEX, build_token_data, eval_batches
+
+    model = create_model(config, rank=0, rank0_only=False).eval()
+    data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, 0, 1):
+            logits = model(input_ids=torch.from_numpy(batch.input_ids), use_cache=False).logits
+            total += F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum").item()
+            tokens += batch.num_label_tokens
+    return total / tokens
+
+
+def expected_local_fraction(name: str) -> float:
+    """Each expert element lives on one rank of ep × the ranks holding the same experts (efsdp × cp|sp): the
+    world but its tp ranks and HSDP replicas, which hold copies."""
+    overrides, world = VARIANTS[name].overrides, VARIANTS[name].world
+    copies = int(overrides.get("plan.tp_size", 1)) * int(overrides.get("plan.dp_replicate_size", 1))
+    return copies / world
+
+
+def check(models, name: str, result: dict) -> None:
+    assert result["on_ep_mesh"] and result["split_once"] and result["equal_to_unsharded"]
+    assert result["local_fraction"] == pytest.approx(expected_local_fraction(name))
+    config, bf16 = config_of(models, name), VARIANTS[name].bf16
+    rtol = BF16_RTOL if bf16 else FP32_RTOL
+    assert result["initial_eval"]["eval_loss"] == pytest.approx(single_process_eval_loss(config), rel=rtol)
+    deviation = max_relative_difference(result["losses"], reference_losses(config, STEPS))
+    assert len(result["losses"]) == STEPS
+    assert deviation <= rtol
+    if bf16:
+        assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
+
+
+def test_ep2_trains_like_one_process(tmp_path, models):
+    """ep = fsdp = 2: each rank holds 2 of the 4 experts; tokens cross to the other rank and back, and the
+    router's load-balancing loss counts the choices of both ranks' tokens."""
+    check(models, "ep2", run_variants(tmp_path, models, ["ep2"])["ep2"])
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory, models):
+    return run_variants(tmp_path_factory.mktemp("ep_slow"), models, SLOW_VARIANTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_VARIANTS)
+def test_expert_parallel_variant_trains_like_one_process(slow_results, models, name):
+    check(models, name, slow_results[name])
