@@ -99,7 +99,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
               "sharded_after_eval": sharded_after_eval,
               "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight,
               "tp_sharded_fraction": tp_sharded_fraction(state.model), **gradients}
-    if name == "base":
+    if name == "base" or max(plan.mesh.tp_size, plan.mesh.sp_size, plan.mesh.dp_replicate_size) > 1:
         result.update(sharded_round_trip(config, plan, backend, state, data, where))
     return result
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portable_fsdp.backends.hf_torch.model import create_model
-from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.sequence_split import shard_indices
-from tests.dist.fsdp_variants import EVAL_SEQUENCES
+from tests.dist import eval_reference
+from tests.dist.eval_reference import EVAL_RTOL, check_eval_loss, check_predictions
 from tests.dist.launch import torchrun
 from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
@@ -22,7 +21,6 @@ STEPS = 20
 CP_VARIANTS = [n for n in variants_for("cpu") if int(VARIANTS[n].overrides.get("plan.cp_size", 1)) > 1]
 WORLD2 = [n for n in CP_VARIANTS if VARIANTS[n].world == 2]
 WORLD4 = [n for n in CP_VARIANTS if VARIANTS[n].world == 4]
-EVAL_RTOL = 1e-6
 
 
 def mesh_of(name: str) -> tuple:
@@ -71,16 +69,7 @@ def test_batches_without_labels_take_the_same_cp_path(cp_results, name):
 @pytest.fixture(scope="module")
 def reference_eval():
     """Per-token losses and argmax of the unsharded model at init on the eval sequences the runs used."""
-    config = make_config({})
-    model = create_model(config, rank=0, rank0_only=False)
-    data = build_token_data(config.data, config.model.vocab_size, 1)
-    sequences = data.eval[:EVAL_SEQUENCES]
-    inputs, labels = torch.from_numpy(sequences[:, :-1]), torch.from_numpy(sequences[:, 1:])
-    with torch.no_grad():
-        logits = model(input_ids=inputs).logits
-    token_losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-    return {"token_losses": token_losses.numpy().astype(np.float64), "logits": logits, "inputs": inputs,
-            "argmax": logits.argmax(-1).numpy(), "batch": config.train.eval_batch_size}
+    return eval_reference.reference_eval()
 
 
 def _padded_rows(n_rows: int, batch: int) -> int:
@@ -115,13 +104,15 @@ def wrong_eval_losses(ref, fsdp: int, cp: int) -> dict:
             "per_shard_shift": torch.cat(shifted).mean().item()}
 
 
+@pytest.mark.parametrize("name", WORLD2 + WORLD4)
+def test_first_gradients_match_single_process(cp_results, name):
+    assert cp_results[name]["gradient_deviation"] <= 1e-5
+    assert cp_results[name]["grad_norm"] == pytest.approx(cp_results[name]["reference_grad_norm"], rel=1e-5)
+
+
 @pytest.mark.parametrize("name", CP_RUNS)
 def test_eval_loss_under_cp_equals_unsharded(cp_results, reference_eval, name):
-    losses = reference_eval["token_losses"]
-    truth = losses.sum() / losses.size
-    got = cp_results[name]["initial_eval"]
-    assert got["eval_tokens"] == losses.size  # counted before sharding, once per batch
-    assert got["eval_loss"] == pytest.approx(truth, rel=EVAL_RTOL)
+    truth = check_eval_loss(cp_results[name], reference_eval)
     for mistake, value in wrong_eval_losses(reference_eval, *mesh_of(name)).items():
         # The known mistakes land at least 10x the tolerance away, so the assertion above would catch them.
         assert abs(value - truth) / truth > 10 * EVAL_RTOL, f"this data would not reveal the {mistake} error"
@@ -129,7 +120,4 @@ def test_eval_loss_under_cp_equals_unsharded(cp_results, reference_eval, name):
 
 @pytest.mark.parametrize("name", CP_RUNS)
 def test_gathered_predictions_are_the_unsharded_argmax_in_order(cp_results, reference_eval, name):
-    predictions = np.array(cp_results[name]["first_predictions"])
-    batch = reference_eval["batch"]
-    assert predictions.shape == (batch, reference_eval["argmax"].shape[1])  # rows of the batch, not cp_size x
-    assert (predictions == reference_eval["argmax"][:batch]).all()
+    check_predictions(cp_results[name], reference_eval)

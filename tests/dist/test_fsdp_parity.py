@@ -1,12 +1,15 @@
-"""FSDP2 on gloo ranks vs the single-process, unsharded reference: 20 per-step losses per plan variant of the
-matrix (tests/parity/matrix.py) that the cpu lowering honours. The default suite runs the plain FSDP
-variants on 2 ranks (context parallelism: test_context_parallel.py); `slow` runs the rest."""
+"""FSDP2 on gloo ranks vs the single-process, unsharded reference: 20 per-step losses and the first step's
+gradients per plan variant of the matrix (tests/parity/matrix.py) that the cpu lowering honours. The default
+suite runs the default variants on 2 ranks but context parallelism's (test_context_parallel.py); `slow` runs
+the rest, tensor and sequence parallelism and HSDP on 4 ranks among them."""
 import json
 import os
 
 import pytest
 
 from tests.dist.launch import torchrun
+from portable_fsdp.validate import plan_from_config
+from tests.dist.eval_reference import check_eval_loss, check_predictions, reference_eval
 from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses
 
@@ -23,7 +26,7 @@ def without_cp(names: list) -> list:
 
 
 FSDP_VARIANTS = without_cp(variants_for("cpu", world=2))
-SLOW_VARIANTS = without_cp(variants_for("cpu", slow=True))
+SLOW_VARIANTS = variants_for("cpu", slow=True)  # context parallelism's default variants run elsewhere, not these
 
 
 def run_variants(tmp_dir, names: list) -> dict:
@@ -73,12 +76,42 @@ def test_bf16_mixed_precision_is_applied_and_close(variant_results):
     check_losses("bf16", variant_results["bf16"]["losses"])
 
 
-@pytest.mark.parametrize("name", FSDP_VARIANTS)
-def test_parameters_are_sharded_over_both_ranks(variant_results, name):
-    result = variant_results[name]
+def check_gradients(name: str, result: dict) -> None:
+    """The first step's gradients, gathered whole, and their global norm are one process's (fp32)."""
+    assert result["gradient_deviation"] <= FP32_RTOL
+    assert result["grad_norm"] == pytest.approx(result["reference_grad_norm"], rel=FP32_RTOL)
+
+
+def check_sharding(name: str, result: dict) -> None:
+    """Every parameter is a DTensor, each rank holds 1/(fsdp x cp|sp) of it — and of what tensor parallelism
+    splits (most of the model: q/k/v/o, the MLP, an untied lm_head), 1/tp of that again."""
+    mesh = plan_from_config(make_config(VARIANTS[name].overrides)).mesh.resolve(VARIANTS[name].world)
+    shard = mesh.fsdp_size * mesh.sequence_size
+    split = result["tp_sharded_fraction"]
+    assert (split > 0.5) if mesh.tp_size > 1 else (split == 0)
     assert result["all_dtensor"]
     assert result["sharded_after_eval"]  # the root (and units kept gathered) reshard after an eval forward
-    assert result["local_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert result["local_fraction"] == pytest.approx(split / (shard * mesh.tp_size) + (1 - split) / shard, abs=0.01)
+
+
+@pytest.mark.parametrize("name", [n for n in FSDP_VARIANTS if not VARIANTS[n].bf16])
+def test_first_gradients_match_single_process(variant_results, name):
+    check_gradients(name, variant_results[name])
+
+
+@pytest.mark.parametrize("name", FSDP_VARIANTS)
+def test_parameters_are_sharded_over_the_mesh(variant_results, name):
+    check_sharding(name, variant_results[name])
+
+
+# Tensor parallelism: one loss per tp group, counted once; logits split over the vocabulary, gathered for predictions.
+SPLIT_MODEL = [n for n in FSDP_VARIANTS if int(VARIANTS[n].overrides.get("plan.tp_size", 1)) > 1]
+
+
+@pytest.mark.parametrize("name", SPLIT_MODEL)
+def test_eval_loss_and_predictions_are_the_unsharded_models(variant_results, name):
+    check_eval_loss(variant_results[name], reference_eval())
+    check_predictions(variant_results[name], reference_eval())
 
 
 @pytest.mark.parametrize("name", FSDP_VARIANTS)
@@ -96,11 +129,15 @@ def test_tied_embeddings_stay_tied_with_rank0_loading(variant_results):
     assert variant_results["tied"]["tied"]
 
 
-def test_sharded_checkpoint_reloads_into_fsdp2_with_identical_eval_loss(variant_results):
-    result = variant_results["base"]
-    assert result["sharded_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+def check_sharded_round_trip(result: dict, world: int) -> None:
+    assert result["sharded_files"] == [".metadata", *(f"__{r}_0.distcp" for r in range(world))]
     assert result["fresh_eval"] != pytest.approx(result["sharded_eval_before"], rel=1e-3)  # the load matters
     assert result["sharded_eval_after"] == result["sharded_eval_before"]
+
+
+@pytest.mark.parametrize("name", ["base", "tp2"])
+def test_sharded_checkpoint_reloads_into_fsdp2_with_identical_eval_loss(variant_results, name):
+    check_sharded_round_trip(variant_results[name], 2)
 
 
 @pytest.fixture(scope="module")
@@ -111,5 +148,14 @@ def slow_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_VARIANTS)
 def test_the_rest_of_the_matrix_matches_single_process(slow_results, name):
-    check_losses(name, slow_results[name]["losses"])
-    assert slow_results[name]["local_fraction"] == pytest.approx(1 / VARIANTS[name].world, abs=0.01)
+    result = slow_results[name]
+    check_losses(name, result["losses"])
+    check_sharding(name, result)
+    if not VARIANTS[name].bf16:
+        check_gradients(name, result)
+    if "sharded_files" in result:
+        check_sharded_round_trip(result, VARIANTS[name].world)
+    if VARIANTS[name].reference_overrides == {}:  # the eval reference is the test recipe's own model
+        check_eval_loss(result, reference_eval())
+        check_predictions(result, reference_eval())
+    assert result["unlabeled_predictions_match"]

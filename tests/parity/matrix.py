@@ -78,6 +78,14 @@ VARIANTS = {
     "fsdp2_sp2": Variant({"plan.sp_size": "2"}, world=4),
     "documents_sp2": Variant({**DOCUMENTS, "plan.sp_size": "2"}),
     "hsdp2x2": Variant({"plan.dp_replicate_size": "2"}, world=4),
+    # ... and with what else changes the model or where its weights come from.
+    "tied_tp2": Variant({"model.tie_word_embeddings": "true", "plan.tp_size": "2"}),
+    "tp2_rank0_loading": Variant({"plan.cpu_ram_efficient_loading": "true", "plan.tp_size": "2"}),
+    "tp2_cpu_offload": Variant({"plan.cpu_offload": "true", "plan.tp_size": "2"}),
+    "sp2_checkpointing": Variant({**CHECKPOINTING, "plan.sp_size": "2"}),
+    "tp2_cp2": Variant({**CP2, "plan.tp_size": "2"}, world=4),
+    "sp2_tp2": Variant({"plan.sp_size": "2", "plan.tp_size": "2"}, world=4),  # 1 kv head per tp rank, 2 sp ranks
+    "hsdp2_tp2": Variant({"plan.dp_replicate_size": "2", "plan.tp_size": "2"}, world=4),
     # torch_xla's FSDP v1: one process per device, one PJRT CPU device here.
     "v1": Variant(V1, world=1),
     "v1_checkpointing": Variant({**V1, **CHECKPOINTING}, world=1),
@@ -91,9 +99,8 @@ DEFAULT = {
             "batch8", "batch8_accum4", "rank0_loading", "tied", "documents", "tied_rank0_loading",
             "cp2_allgather", "cp2_alltoall", "documents_cp2_allgather", "documents_cp2_alltoall",
             "fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
-            "cp4_alltoall_contiguous"],
-    "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2",
-            "v1"],
+            "cp4_alltoall_contiguous", "tp2"],
+    "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "v1"],
     "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2"],
 }
 
