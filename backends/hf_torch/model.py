@@ -72,8 +72,20 @@ def family_settings(cfg) -> dict:
     window = getattr(cfg, "sliding_window", None) or 0
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = 0  # a window in config.json that no layer uses (Qwen2 with use_sliding_window=false)
+    heads = getattr(cfg, "num_attention_heads", 0) or 0
     return {"model_type": cfg.model_type, "attention_dropout": float(getattr(cfg, key, 0.0) or 0.0) if key else 0.0,
-            "attention_dropout_key": key, "sliding_window": int(window)}
+            "attention_dropout_key": key, "sliding_window": int(window), "num_attention_heads": heads,
+            "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "num_experts": num_experts(cfg), "tp_plan": dict(getattr(cfg, "base_model_tp_plan", None) or {})}
+
+
+# Where each MoE family's config.json keeps its number of routed experts.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def num_experts(cfg) -> int:
+    """Routed experts per MoE layer (0: a dense model)."""
+    return int(next((getattr(cfg, k) for k in EXPERT_COUNT_KEYS if getattr(cfg, k, None)), 0))
 
 
 def create_model(config, rank: int, rank0_only: bool):
