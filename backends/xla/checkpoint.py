@@ -35,7 +35,10 @@ def save_checkpoint(state, directory: pathlib.Path) -> None:
         weights.update(full_state.persistent_buffers(ctx.hf_model))
         optimizer = _full_optimizer_state(state)
         if is_main:
-            ctx.hf_model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+            # the model's own names (Mixtral's fused experts.gate_up_proj, not the hub's experts.N.w1), which
+            # resume reads on every backend
+            ctx.hf_model.save_pretrained(directory, state_dict=weights, safe_serialization=True,
+                                         save_original_format=False)
             torch.save(optimizer, directory / checkpointing.OPTIMIZER)
     else:
         _save_sharded(state, directory / checkpointing.SHARDED)

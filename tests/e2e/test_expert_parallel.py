@@ -1,7 +1,7 @@
 """Expert parallelism from the command line: checkpoints written under plan.ep_size hold the full expert weights
-(a FULL one resumes without ep, a SHARDED one resumes at the same mesh bit-exactly), and a plan the model cannot
-split is refused at start-up with one `error:` line (exit 2, nothing written). Training parity under ep, mesh by
-mesh: tests/dist/test_expert_parallel.py."""
+(a FULL one resumes without ep, a SHARDED one at the same mesh bit-exactly), a FULL one written by --backend xla
+resumes under ep, and a plan the model cannot split is refused at start-up with one `error:` line (exit 2,
+nothing written). Training parity under ep, mesh by mesh: tests/dist/test_expert_parallel.py."""
 import pytest
 
 from tests.conftest import cli, read_metrics
@@ -40,6 +40,25 @@ def test_a_full_checkpoint_written_at_ep2_resumes_at_fsdp2(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).state_dict()
     assert all(reloaded[name].equal(tensor) for name, tensor in weights.items())
     train(model, workdir, tmp_path, **{"train.resume": "true"})
+    resumed = losses_by_step(workdir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    expected = reference_losses(make_config({"model.init_from": str(model)}), STEPS)
+    assert max_relative_difference([resumed[s] for s in sorted(resumed)], expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_written_on_xla_resumes_at_ep2_on_cpu(tmp_path):
+    """--backend xla writes the model's own names too: its FULL checkpoint (no ep) continues on 2 cpu ranks each
+    holding 2 of the 4 experts, as one process would."""
+    from tests.xla.helpers import XLA_ENV
+
+    model = families.save_model("mixtral", tmp_path / "model")
+    workdir = tmp_path / "run"
+    args = families.cli_args(model, workdir, {"train.steps": STEPS, "train.save_every": 0, "train.stop_at_step": 10})
+    env = {k: v for k, v in XLA_ENV.items() if k != "PJRT_DEVICE"}  # the command chooses the CPU itself
+    proc = cli(["--backend", "xla", "--nproc", "2", *args], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(model, workdir, tmp_path, **{"plan.ep_size": 2, "train.resume": "true"})
     resumed = losses_by_step(workdir)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     expected = reference_losses(make_config({"model.init_from": str(model)}), STEPS)
