@@ -178,7 +178,8 @@ def verify(path: pathlib.Path) -> dict:
 
 
 MODEL_FIELDS_THAT_SHAPE_WEIGHTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "init_from")
+                                   "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "init_from",
+                                   "architecture", "config_from")
 
 
 def check_compatible(manifest: dict, config, backend_name: str) -> None:

@@ -19,7 +19,8 @@ from portable_fsdp.errors import UserError
 
 DEFAULT_RECIPE = "llama_tiny"
 # Fields whose value is a mapping (a ConfigDict of free keys, set whole: from JSON on the command line).
-MAPPING_FIELDS = frozenset(f"plan.{f.name}" for f in plan_lib.plan_fields() if isinstance(f.default, dict))
+MAPPING_FIELDS = frozenset({"model.config_overrides",
+                            *(f"plan.{f.name}" for f in plan_lib.plan_fields() if isinstance(f.default, dict))})
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -27,7 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model = ml_collections.ConfigDict()
-    c.model.init_from = ""  # a local Hugging Face model directory; empty = random init from the fields below
+    c.model.init_from = ""  # weights: a local Hugging Face model directory, or (online) a hub id; empty = random init
+    c.model.architecture = "llama"  # random init: a transformers model_type (llama, qwen2, mistral, mixtral, ...)
+    c.model.config_from = ""  # random init from a config.json (a file, its directory, or online a hub id): its sizes
+    c.model.config_overrides = mapping({})  # config.json keys set on top of any of these, e.g. {"num_local_experts": 8}
     c.model.vocab_size = 384
     c.model.hidden_size = 128
     c.model.intermediate_size = 352
@@ -93,9 +97,10 @@ def mapping(value: dict) -> ml_collections.ConfigDict:
 
 def from_dict(data: dict) -> ml_collections.ConfigDict:
     """A config from its `to_dict()` (what a worker receives), mapping fields keeping their dotted keys."""
-    plan = {name: mapping(value) if f"plan.{name}" in MAPPING_FIELDS else value
-            for name, value in data.get("plan", {}).items()}
-    return ml_collections.ConfigDict({**data, "plan": plan})
+    sections = {section: {name: mapping(value) if f"{section}.{name}" in MAPPING_FIELDS else value
+                          for name, value in data[section].items()}
+                for section in ("model", "plan") if section in data}
+    return ml_collections.ConfigDict({**data, **sections})
 
 
 def load_recipe(spec: str | None) -> ml_collections.ConfigDict:

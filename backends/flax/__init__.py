@@ -12,9 +12,8 @@ resources (memory and matmul rate for the metrics), processes (one JAX process p
 import importlib
 import os
 
-# The weights come from transformers (torch): keep it from probing torch_xla or reaching a hub.
+# The weights come from transformers (torch): keep it from probing torch_xla.
 os.environ.setdefault("USE_TORCH_XLA", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 _DEFINED_IN = {

@@ -1,8 +1,11 @@
-"""Building the transformers model both torch-based lowerings train: random init from the config, or a local
-`from_pretrained` directory, optionally on rank 0 only (`cpu_ram_efficient_loading`)."""
+"""Building the transformers model both torch-based lowerings train: random init of any transformers causal-LM
+architecture (by model_type and the config's sizes, or from a config.json), or the weights of a local
+`from_pretrained` directory or hub id, optionally on rank 0 only (`cpu_ram_efficient_loading`)."""
 from __future__ import annotations
 
+import difflib
 import pathlib
+import re
 
 import torch
 
@@ -11,28 +14,75 @@ from portable_fsdp.backend import ModelInfo
 from portable_fsdp.errors import UserError
 
 
-def hf_config(model_cfg):
-    from transformers import AutoConfig, LlamaConfig
+# The model fields a random init takes from the config (every family's config.json has them by these names or
+# maps them onto its own, e.g. GPT-2's n_embd).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+               "initializer_range")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
+
+def hf_config(model_cfg):
+    """The transformers config of the run's model: `init_from`'s (weights to load), else `config_from`'s (random
+    init of that config.json), else `architecture` built from the size fields; `config_overrides` on top."""
     if model_cfg.init_from:
-        directory = pathlib.Path(model_cfg.init_from)
-        if (directory / checkpointing.SHARDED).is_dir() and not any(directory.glob("*.safetensors")):
-            raise UserError("model.init_from", (
-                f"{directory} is a SHARDED_STATE_DICT checkpoint, which loads only into FSDP (resume it with "
-                f"train.resume) — convert it first: python -m portable_fsdp.convert {directory} OUT_DIR"))
-        if not (directory / "config.json").is_file():
-            raise UserError("model.init_from", f"{directory} is not a local model directory (no config.json)")
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        config = _stored_config(model_cfg.init_from, "model.init_from")
+    elif model_cfg.config_from:
+        config = _stored_config(model_cfg.config_from, "model.config_from")
     else:
-        config = LlamaConfig(
-            vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
-            intermediate_size=model_cfg.intermediate_size, num_hidden_layers=model_cfg.num_hidden_layers,
-            num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_key_value_heads,
-            max_position_embeddings=model_cfg.max_position_embeddings, rope_theta=model_cfg.rope_theta,
-            rms_norm_eps=model_cfg.rms_norm_eps, tie_word_embeddings=model_cfg.tie_word_embeddings,
-            initializer_range=model_cfg.initializer_range)
+        config = config_for_architecture(model_cfg.architecture, {name: model_cfg[name] for name in SIZE_FIELDS})
+    for key, value in model_cfg.config_overrides.to_dict().items():
+        setattr(config, key, value)
     config._attn_implementation = model_cfg.attn_implementation
     return config
+
+
+def config_for_architecture(architecture: str, sizes: dict):
+    """A transformers config of `architecture` (a model_type with a causal-LM model) with these sizes."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        known = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        close = difflib.get_close_matches(architecture, known, n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UserError("model.architecture", (
+            f"{architecture!r} is not a transformers causal-LM model_type; {hint}e.g. llama, qwen2, mistral, "
+            f"mixtral, qwen3_moe, gemma ({len(known)} in all)"))
+    return AutoConfig.for_model(architecture, **sizes)
+
+
+def _stored_config(source: str, field: str):
+    """The config.json of a local directory (or the file itself), or of a hub id when the hub can be reached."""
+    from transformers import AutoConfig
+
+    path = pathlib.Path(source)
+    if path.is_file() and path.suffix == ".json":
+        return AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+    if path.is_dir():
+        if (path / checkpointing.SHARDED).is_dir() and not any(path.glob("*.safetensors")):
+            raise UserError(field, (
+                f"{path} is a SHARDED_STATE_DICT checkpoint, which loads only into FSDP (resume it with "
+                f"train.resume) — convert it first: python -m portable_fsdp.convert {path} OUT_DIR"))
+        if not (path / "config.json").is_file():
+            raise UserError(field, f"{path} is not a local model directory (no config.json)")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not HUB_ID.match(source):
+        raise UserError(field, f"{source} is not a local model directory (no config.json) or a hub id (org/name)")
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as err:
+        reason = "HF_HUB_OFFLINE is set" if _hub_offline() else str(err).splitlines()[0]
+        raise UserError(field, (
+            f"{source} is not a local directory and could not be read from the Hugging Face hub ({reason}); "
+            f"download it where there is a network (huggingface-cli download {source} --local-dir DIR) and set "
+            f"{field}=DIR")) from None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def describe_model(config) -> ModelInfo:
@@ -99,7 +149,8 @@ def create_model(config, rank: int, rank0_only: bool):
             return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     torch.manual_seed(config.seed)  # every rank (and a 1-process run) starts from the same weights
     if config.model.init_from:
-        return AutoModelForCausalLM.from_pretrained(config.model.init_from, config=cfg, local_files_only=True,
+        local = pathlib.Path(config.model.init_from).is_dir()  # else a hub id, read through the hub's cache
+        return AutoModelForCausalLM.from_pretrained(config.model.init_from, config=cfg, local_files_only=local,
                                                     dtype=torch.float32)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 

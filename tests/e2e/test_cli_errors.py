@@ -115,7 +115,7 @@ CASES = [
     (['--config.data.tokenizer=/nonexistent/tok'],
      "error: data.tokenizer: must be 'byte' or a local tokenizer directory (no directory /nonexistent/tok)"),
     (['--config.model.init_from=/nonexistent/model'],
-     'error: model.init_from: /nonexistent/model is not a local model directory (no config.json)'),
+     'error: model.init_from: /nonexistent/model is not a local model directory (no config.json) or a hub id (org/name)'),
     (['--config', '/nonexistent/recipe.py'],
      'error: --config: no such recipe file /nonexistent/recipe.py; give a path like configs/llama_tiny.py'),
     (['--fsdp_config', '/nonexistent/fsdp.json'],
