@@ -112,3 +112,32 @@ def slow_results(tmp_path_factory, models):
 @pytest.mark.parametrize("name", SLOW_VARIANTS)
 def test_expert_parallel_variant_trains_like_one_process(slow_results, models, name):
     check(models, name, slow_results[name])
+
+
+def meta_model(family: str, **config):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))
+
+
+def test_a_model_without_fused_experts_is_refused_by_the_lowering():
+    """(The start-up check refuses ep on a model whose config counts no experts before any worker starts.)"""
+    from portable_fsdp.backends.torch.expert_parallel import apply_expert_parallel
+    from portable_fsdp.errors import UserError
+
+    with pytest.raises(UserError, match="LlamaForCausalLM keeps no fused experts module"):
+        apply_expert_parallel(meta_model("llama", **families.SHAPE), ep_mesh=None)
+
+
+@pytest.mark.slow  # building gpt-oss imports its modeling code: ~6 s
+def test_experts_in_a_layout_the_lowering_does_not_split_are_refused():
+    """gpt-oss keeps biases and [in, out] weights beside its fused experts: refused before anything is split."""
+    from portable_fsdp.backends.torch.expert_parallel import apply_expert_parallel
+    from portable_fsdp.errors import UserError
+
+    gpt_oss = meta_model("gpt_oss", **families.SHAPE, num_local_experts=4, head_dim=16,
+                         layer_types=["full_attention"] * 2)
+    with pytest.raises(UserError, match="GptOssExperts stores its experts in a layout expert parallelism does not "
+                                        "split yet"):
+        apply_expert_parallel(gpt_oss, ep_mesh=None)
