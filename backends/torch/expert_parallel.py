@@ -15,8 +15,8 @@ Every pair is computed — no capacity, no dropped token — so a step is the st
 are autograd functions: backward sends each gradient back along its pair's route.
 
 `shard_experts` then hands each rank's experts to FSDP over `expert_dp`, the ranks that hold the same experts
-(the fsdp ranks outside the ep group, × cp|sp), never over the ep group again; the rest of each layer is
-sharded over every fsdp rank as usual (backends/torch/parallelize.py).
+(the fsdp ranks outside the ep group, × cp|sp; replicated over dp_replicate under HSDP), never over the ep group
+again; the rest of each layer is sharded over every fsdp rank as usual (backends/torch/parallelize.py).
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list:
             "expert parallelism can split; set plan.ep_size=1"))
     for module in experts:
         _check_layout(module)
+    for module in experts:
         for name in WEIGHTS:
             weight = getattr(module, name)
             # Every rank holds the full weight (or a meta one, under rank-0 loading): each keeps its own slice.
@@ -65,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list:
 
 def _check_layout(module: nn.Module) -> None:
     """The layout the local computation implements: concatenated [gate; up] rows, no biases, weights stored
-    [out, in], no norm after the experts (Mixtral, Qwen3-MoE, Qwen2-MoE, ...)."""
+    [out, in], no norm after the experts (Mixtral, Qwen3-MoE, ...)."""
     plain = (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
              and not getattr(module, "has_bias", True) and not getattr(module, "is_transposed", True)
              and not getattr(module, "has_post_expert_norm", True)
