@@ -53,6 +53,23 @@ DATASHEET = (
     (r"\btpu v6 ?lite\b|\bv6e\b", "TPU v6e", {"bf16": 918 * T}),
 )
 
+# Memory per device, for the memory estimate (`python -m portable_fsdp.estimate --device NAME`): the total the
+# device reports — nvidia-smi's MiB on GPUs (H100 SXM/PCIe 81559, H200 143771, A100 80GB 81920, A100 40GB 40960),
+# HBM per chip on TPUs (https://cloud.google.com/tpu/docs/v4, /v5e, /v5p-training, /v6e: 32, 16, 95, 32 GiB).
+# The name is how the framework reports the device, so DATASHEET finds its peak FLOP/s too.
+MiB, GiB = 2**20, 2**30
+DEVICE_MEMORY = {
+    "h100": ("NVIDIA H100 80GB HBM3", 81559 * MiB),
+    "h200": ("NVIDIA H200", 143771 * MiB),
+    "a100": ("NVIDIA A100-SXM4-80GB", 81920 * MiB),
+    "a100-80": ("NVIDIA A100-SXM4-80GB", 81920 * MiB),
+    "a100-40": ("NVIDIA A100-SXM4-40GB", 40960 * MiB),
+    "v4": ("TPU v4", 32 * GiB),
+    "v5e": ("TPU v5 lite", 16 * GiB),
+    "v5p": ("TPU v5", 95 * GiB),
+    "v6e": ("TPU v6 lite", 32 * GiB),
+}
+
 # plan.param_dtype -> datasheet column
 _COLUMN = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32"}
 

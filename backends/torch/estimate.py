@@ -1,0 +1,210 @@
+"""Memory of one training step per rank, measured without a device: the torch lowering's own start-up (mesh,
+`parallelize`, AdamW) run on fake tensors over a fake process group, then one step under torch's FSDPMemTracker.
+
+`estimate_rank` builds exactly what `step.init` builds — the transformers model (inside FakeTensorMode: no
+weight is ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), tensor / expert / context / sequence
+parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the optimizer
+(`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
+through the step's own sharding and loss (`step._sharded`, `step._loss_sum`). The tracker attributes every
+storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
+buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
+
+What it does not model: the CUDA caching allocator's rounding and fragmentation, the CUDA context and NCCL's
+buffers, flash attention kernels (CPU's SDPA kernel is traced; its saved tensors are the same shape),
+torch.compile, and the gradient-norm computation (a few scalars per parameter).
+
+The fake process group must never meet a real one: this runs only in the estimator's own process
+(portable_fsdp.estimate starts it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from portable_fsdp.backends.hf_torch import model as model_lib
+from portable_fsdp.backends.hf_torch.loss import RouterLoss
+from portable_fsdp.backends.hf_torch.optimizer import build_adamw
+from portable_fsdp.backends.torch import distributed, step as step_lib
+from portable_fsdp.backends.torch.context_parallel import CPGroup
+from portable_fsdp.backends.torch.mesh import build_meshes
+from portable_fsdp.backends.torch.parallelize import parallelize
+from portable_fsdp.backends.torch.sequence_parallel import SPGroup
+from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
+from portable_fsdp.config import from_dict
+from portable_fsdp.data.loader import Batch
+from portable_fsdp.mesh_fit import tensor_parallel_plan
+from portable_fsdp.schedule import for_config as schedule_for
+from portable_fsdp.validate import resolve_plan
+
+# The tracker's categories, grouped as the estimate reports them.
+CATEGORIES = {
+    "parameters": (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.BUFFER),
+    "gradients": (_FSDPRefType.SHARDED_GRAD,),
+    "optimizer": (_FSDPRefType.OPT,),
+    "activations": (_FSDPRefType.ACT, _FSDPRefType.INP),
+    "gathered": (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER),
+    "unsharded_gradients": (_FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER),
+    "temporaries": (_FSDPRefType.TEMP,),
+}
+# Under plan.cpu_offload these live in host memory: the device's peak leaves them out.
+OFFLOADED = ("parameters", "gradients", "optimizer")
+
+
+class _Tracker(FSDPMemTracker):
+    """FSDPMemTracker that also keeps the largest total of the categories on the device (all of them, or all but
+    the offloaded ones) with its breakdown, and the largest value each category reached."""
+
+    def __init__(self, model, optimizer, offloaded: bool):
+        super().__init__(model, optimizer)
+        self._on_host = set(OFFLOADED) if offloaded else set()
+        self.device_peak, self.at_peak, self.largest = 0, {}, {}
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        now = self.current()
+        on_device = sum(value for name, value in now.items() if name not in self._on_host)
+        if on_device > self.device_peak:
+            self.device_peak, self.at_peak = on_device, now
+        for name, value in now.items():
+            self.largest[name] = max(self.largest.get(name, 0), value)
+
+
+    def current(self) -> dict:
+        """The categories now, grouped."""
+        totals = {kind: sum(snapshot.get(kind, 0) for snapshot in self._curr_mem_snap.values())
+                  for kind in _FSDPRefType}
+        return grouped(totals)
+
+
+def grouped(totals: dict) -> dict:
+    return {name: sum(totals.get(kind, 0) for kind in kinds) for name, kinds in CATEGORIES.items()}
+
+
+def estimate(config_dict: dict, world_size: int, ranks: list, target: str, host_is_device: bool = False) -> dict:
+    """{"ranks": [estimate_rank(...) of each of `ranks`], "model": what the FLOPs formula needs}. `target`: the
+    device type the run trains on (cuda or cpu), which picks the optimizer's kernel. `host_is_device`: the
+    ranks train on the host's memory (cpu), so plan.cpu_offload moves nothing off it."""
+    config = from_dict(config_dict)
+    info = model_lib.describe_model(config)
+    per_rank = [estimate_rank(config, world_size, rank, target, info, host_is_device) for rank in ranks]
+    return {"ranks": per_rank, "model": {"n_params": info.n_params, "n_layers": info.n_layers,
+                                         "hidden_size": info.hidden_size,
+                                         "n_embedding_params": info.n_embedding_params,
+                                         "class": info.root_class}}
+
+
+def estimate_rank(config, world_size: int, rank: int, target: str, info, host_is_device: bool = False) -> dict:
+    began = time.perf_counter()
+    plan = resolve_plan(config, world_size)
+    # FSDP's collectives through gloo's path: the shared-memory one (cpu_collectives=auto) maps real buffers.
+    plan = dataclasses.replace(plan, cpu_collectives="gloo")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with _quiet_warnings():
+            return {"rank": rank, **_traced_step(config, plan, rank, world_size, target, info, host_is_device),
+                    "seconds": time.perf_counter() - began}
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _traced_step(config, plan, rank: int, world_size: int, target: str, info, host_is_device: bool) -> dict:
+    device = torch.device("cpu")
+    meshes = build_meshes(plan.mesh, "cpu")  # real tensors: a DeviceMesh reads its rank list
+    cp = sp = None
+    if meshes.cp is not None:
+        cp = CPGroup(group=meshes.cp.get_group(), mesh=meshes.cp, cp_rank=meshes.cp_rank, cp_size=plan.mesh.cp_size,
+                     rotate_method=plan.cp_rotate_method, impl=plan.resolved_cp_impl("cpu"),
+                     load_balance=plan.cp_load_balance)
+    if meshes.sp is not None:
+        sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
+    micro_rows = config.train.batch_size // (plan.mesh.data_parallel_size * config.train.grad_accum_steps)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model_lib.create_model(config, rank, rank0_only=False)
+        model_lib.freeze_parameters(model, config.train.freeze)
+        if config.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logits_sharded = parallelize(model, plan, meshes, cp, sp, plan.wrap_classes(info), "cpu",
+                                     tensor_parallel_plan(plan, info))
+        model.to_empty(device=device)
+        optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train,
+                                "cpu" if plan.cpu_offload else target)
+        _create_optimizer_state(model, optimizer)
+        runtime = distributed.Runtime(target, rank, world_size, rank, device)
+        ctx = step_lib.Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
+                               schedule_for(config.train), 0.0)
+        batches = _micro_batches(config, micro_rows)
+        offloaded = plan.cpu_offload and not host_is_device
+        tracker = _Tracker(model, optimizer, offloaded)
+        with tracker:
+            _one_step(ctx, model, optimizer, batches, config.train.grad_accum_steps, tracker)
+    after = tracker.current()
+    # What a rank holds between steps (parameters, AdamW's moments) and its gradient shards once backward ends.
+    held = {"parameters": after["parameters"], "gradients": tracker.largest["gradients"],
+            "optimizer": after["optimizer"]}
+    return {"peak": tracker.device_peak, "at_peak": tracker.at_peak, "held": held, "largest": tracker.largest,
+            "micro_batch_rows": micro_rows, "micro_batches_traced": len(batches),
+            "tokens_per_rank": micro_rows * config.data.seq_len // plan.mesh.sequence_size,
+            "cpu_offload": offloaded}
+
+
+def _create_optimizer_state(model, optimizer) -> None:
+    """AdamW's moments exist from the first step on: create them before the traced step (zero gradients, one
+    update), so the step's peak includes them as every later step's does."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _micro_batches(config, rows: int) -> list:
+    """Micro-batches shaped as the loader makes them for this rank. With gradient accumulation, two: FSDP keeps
+    unsharded gradients from the first to the last, so the second holds what every later one holds."""
+    seq = config.data.seq_len
+    ids = np.zeros((rows, seq), dtype=np.int64)
+    positions = segments = None
+    if config.data.document_masking:
+        positions = np.broadcast_to(np.arange(seq), (rows, seq)).copy()
+        segments = np.zeros((rows, seq), dtype=np.int64)
+    batch = Batch(input_ids=ids, labels=ids.copy(), position_ids=positions, segment_ids=segments)
+    return [batch] * min(config.train.grad_accum_steps, 2)
+
+
+def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker: _Tracker) -> None:
+    """The step's forward and backward (step.compute_gradients without its host-side token counting: fake
+    tensors hold no values), then the update."""
+    tokens = float(sum(b.labels.size for b in batches) * ctx.plan.mesh.data_parallel_size)
+    router = RouterLoss(tokens / accumulation, lambda t: _sum_over_ranks(t, ctx.plan.mesh.tp_size))
+    for index, batch in enumerate(batches):
+        if index:
+            tracker.reset_mod_stats()  # per-module statistics only (they refuse a second forward of the root)
+        model.set_requires_gradient_sync(index == len(batches) - 1)
+        with step_lib._sharded(ctx, batch) as (input_ids, labels, positions), step_lib._loss_context(ctx):
+            loss = step_lib._loss_sum(ctx, model, input_ids, labels, positions, router)
+            (loss / tokens).backward()
+    if ctx.meshes.tp is not None:
+        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _sum_over_ranks(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor.div_(tp_size)
