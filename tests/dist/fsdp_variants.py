@@ -5,6 +5,7 @@ from one process's and a SHARDED checkpoint round-trip to JSON.
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/fsdp_variants.py OUT.json STEPS V...
 """
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -105,7 +106,9 @@ def run_variant(name: str, steps: int, backend) -> dict:
 
 
 def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
-    """Save SHARDED, load into a freshly initialised FSDP2 model: eval_loss must not change."""
+    """Save SHARDED, load into a freshly initialised FSDP2 model: eval_loss must not change. The load is told of no
+    backend, as a resume from another backend or world size: each rank then starts a random stream of its own
+    (`rng_after_load`: a digest of each rank's state), except that a tp group's ranks must share theirs."""
     from portable_fsdp.plan import StateDictType
 
     evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)
@@ -120,8 +123,10 @@ def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
     fresh_loss = evaluate(backend, fresh, evals)["eval_loss"]
     fresh = backend.load_checkpoint(fresh, directory[0], {"step": state.step, "world_size": dist.get_world_size()})
     after = evaluate(backend, fresh, evals)["eval_loss"]
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
     return {"sharded_eval_before": before, "sharded_eval_after": after, "fresh_eval": fresh_loss,
-            "sharded_files": sorted(os.listdir(os.path.join(directory[0], "sharded")))}
+            "sharded_files": sorted(os.listdir(os.path.join(directory[0], "sharded"))), "rng_after_load": digests}
 
 
 def main() -> None:

@@ -129,15 +129,22 @@ def test_tied_embeddings_stay_tied_with_rank0_loading(variant_results):
     assert variant_results["tied"]["tied"]
 
 
-def check_sharded_round_trip(result: dict, world: int) -> None:
+def check_sharded_round_trip(name: str, result: dict) -> None:
+    world = VARIANTS[name].world
     assert result["sharded_files"] == [".metadata", *(f"__{r}_0.distcp" for r in range(world))]
     assert result["fresh_eval"] != pytest.approx(result["sharded_eval_before"], rel=1e-3)  # the load matters
     assert result["sharded_eval_after"] == result["sharded_eval_before"]
+    # Resumed without the saved random states, every rank starts its own stream — the ranks of a tp group
+    # (neighbours) one stream, so that dropout on the activations they hold replicated agrees.
+    tp = int(VARIANTS[name].overrides.get("plan.tp_size", 1))
+    streams = result["rng_after_load"]
+    assert len(set(streams)) == world // tp
+    assert all(len(set(streams[start:start + tp])) == 1 for start in range(0, world, tp))
 
 
 @pytest.mark.parametrize("name", ["base", "tp2"])
 def test_sharded_checkpoint_reloads_into_fsdp2_with_identical_eval_loss(variant_results, name):
-    check_sharded_round_trip(variant_results[name], 2)
+    check_sharded_round_trip(name, variant_results[name])
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +161,7 @@ def test_the_rest_of_the_matrix_matches_single_process(slow_results, name):
     if not VARIANTS[name].bf16:
         check_gradients(name, result)
     if "sharded_files" in result:
-        check_sharded_round_trip(result, VARIANTS[name].world)
+        check_sharded_round_trip(name, result)
     if VARIANTS[name].reference_overrides == {}:  # the eval reference is the test recipe's own model
         check_eval_loss(result, reference_eval())
         check_predictions(result, reference_eval())
