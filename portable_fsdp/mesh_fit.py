@@ -28,6 +28,13 @@ def check_mesh_fits(plan: ShardingPlan, model: ModelInfo) -> None:
     _check_heads(mesh, model, "tp_size", mesh.tp_size, "tensor parallelism splits heads over tp ranks")
     _check_heads(mesh, model, "sp_size", mesh.sp_size,
                  "Ulysses sequence parallelism gives each sp rank whole heads around attention")
+    heads_per_tp_rank = model.num_attention_heads // mesh.tp_size
+    if mesh.tp_size > 1 and mesh.sp_size > 1 and heads_per_tp_rank % mesh.sp_size:
+        raise UserError("plan.sp_size", (
+            f"the model's {model.num_attention_heads} attention heads leave {heads_per_tp_rank} per tp rank "
+            f"(tp_size={mesh.tp_size}), which sp_size={mesh.sp_size} does not divide (Ulysses gives each sp rank "
+            f"whole heads of its tp rank's share); use e.g. plan.sp_size="
+            f"{largest_divisor(heads_per_tp_rank, mesh.sp_size)}"))
     if mesh.tp_size > 1:
         _check_tp_plan(plan, model)
     if mesh.ep_size > 1:

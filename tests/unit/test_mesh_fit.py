@@ -43,6 +43,15 @@ def test_heads_must_divide(field, sizes, phrase):
         check_mesh_fits(plan(4, **sizes), LLAMA)
 
 
+def test_sp_divides_the_heads_each_tp_rank_holds():
+    check_mesh_fits(plan(8, tp_size=2, sp_size=4), dataclasses.replace(LLAMA, num_key_value_heads=8))  # 4 per tp rank
+    model = dataclasses.replace(LLAMA, num_attention_heads=4, num_key_value_heads=4)  # 4 divides by 2 and by 4 alone
+    with user_error("plan.sp_size", "the model's 4 attention heads leave 2 per tp rank (tp_size=2), which sp_size=4 "
+                                    "does not divide") as info:
+        check_mesh_fits(plan(8, tp_size=2, sp_size=4), model)
+    assert "plan.sp_size=2" in info.value.message
+
+
 def test_attention_heads_are_checked_before_kv_heads():
     model = dataclasses.replace(LLAMA, num_attention_heads=6, num_key_value_heads=6)
     with user_error("plan.tp_size", "the model's 6 attention heads are not divisible by tp_size=4") as info:
