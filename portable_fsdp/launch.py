@@ -33,6 +33,11 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
     plan.wrap_classes(info)
     for message in plan.wrap_warnings(info):
         warnings.warn(message, stacklevel=2)
+    if config.train.check_fit:  # before anything is written: a run that will not fit is one line
+        from portable_fsdp.estimate import check_fit
+
+        check_fit(config, backend_name, world_size, device or backend_name,
+                  int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
     prepare_workdir(workdir, config, backend_name)
     return plan
