@@ -164,13 +164,25 @@ def mixtral_overrides(tmp_path_factory) -> dict:
     return {"model.init_from": str(families.saved(tmp_path_factory, "mixtral")), "plan.ep_size": "2"}
 
 
+MIXTRAL = "mixtral_fsdp4_ep2"  # runs with the 4-device slow variants
+SLOW_CHUNK = 5  # variants per process: one process for them all would outlast the per-test timeout
+SLOW_CHUNKS = [(devices, chunk) for devices, names in SLOW_VARIANTS.items()
+               for listed in [[*names, MIXTRAL] if devices == 4 else names]
+               for chunk in (listed[i:i + SLOW_CHUNK] for i in range(0, len(listed), SLOW_CHUNK))]
+
+
 @pytest.fixture(scope="module")
 def slow_results(tmp_path_factory):
-    results = {}
-    for devices, names in SLOW_VARIANTS.items():
-        if devices == 4:  # the expert-parallel Mixtral runs in the same process
-            names = [*names, "mixtral_fsdp4_ep2=" + json.dumps(mixtral_overrides(tmp_path_factory))]
-        results.update(variants(tmp_path_factory.mktemp("slow"), devices, STEPS, names))
+    """name -> the results of that slow variant; its chunk of SLOW_CHUNKS runs in one process, on first use."""
+    cache = {}
+
+    def results(name: str) -> dict:
+        if name not in cache:
+            devices, chunk = next((devices, chunk) for devices, chunk in SLOW_CHUNKS if name in chunk)
+            args = [f"{n}={json.dumps(mixtral_overrides(tmp_path_factory))}" if n == MIXTRAL else n for n in chunk]
+            cache.update(variants(tmp_path_factory.mktemp("slow"), devices, STEPS, args))
+        return cache[name]
+
     return results
 
 
@@ -182,7 +194,7 @@ ULYSSES = [n for n in SLOW_NAMES if "plan.sp_size" in VARIANTS[n].overrides]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_NAMES)
 def test_plan_variants_match_reference(slow_results, name):
-    deviation = max_relative_difference(slow_results[name]["losses"], reference_for(name))
+    deviation = max_relative_difference(slow_results(name)["losses"], reference_for(name))
     if VARIANTS[name].bf16:  # torch_xla's autocast is applied, and close
         assert 1e-6 < deviation <= BF16_RTOL
     else:
@@ -191,21 +203,21 @@ def test_plan_variants_match_reference(slow_results, name):
 
 @pytest.mark.slow
 def test_tied_embeddings_stay_tied(slow_results):
-    assert slow_results["tied"]["tied"]
+    assert slow_results("tied")["tied"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in SLOW_NAMES if not VARIANTS[n].bf16])
 def test_eval_loss_before_training_is_the_plain_torch_models(slow_results, name):
     """Σ token losses / Σ label tokens counted before any split: the same under cp, sp, tp and HSDP."""
-    assert slow_results[name]["initial_eval"]["eval_loss"] == pytest.approx(slow_results[name]["plain_eval"],
+    assert slow_results(name)["initial_eval"]["eval_loss"] == pytest.approx(slow_results(name)["plain_eval"],
                                                                             rel=EVAL_RTOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SEQUENCE_SPLIT)
 def test_predictions_with_sequences_split_are_whole_and_in_order(slow_results, name):
-    predictions = slow_results[name]["predictions"]
+    predictions = slow_results(name)["predictions"]
     assert predictions["shape"] == [8, 64]  # eval_batch_size rows of seq_len tokens: nothing cut, nothing repeated
     assert predictions["labels_equal"] and predictions["predictions_are_argmax"]
     assert predictions["max_logit_difference"] <= 1e-5  # against the plain-torch model, position by position
@@ -220,17 +232,17 @@ def test_ulysses_attention_is_split_by_head(slow_results, name):
     overrides = VARIANTS[name].overrides
     sp = int(overrides["plan.sp_size"])
     heads = sp * int(overrides.get("plan.tp_size", 1))
-    four_d = [(shape, tile(spec)) for shape, spec in slow_results[name]["annotations"] if len(shape) == 4]
+    four_d = [(shape, tile(spec)) for shape, spec in slow_results(name)["annotations"] if len(shape) == 4]
     by_head = [(shape, dims) for shape, dims in four_d if dims[1:] in ([heads, 1, 1], [1, heads, 1])]
     assert len(by_head) == len(four_d) == 2 * 4  # 2 layers x q, k, v, output
     assert sorted({tuple(shape[1:]) for shape, _ in by_head}) == [(2, 64, 16), (4, 64, 16), (64, 4, 16)]
-    layers = [tile(spec) for shape, spec in slow_results[name]["annotations"] if shape[1:] == [64, 64]]
+    layers = [tile(spec) for shape, spec in slow_results(name)["annotations"] if shape[1:] == [64, 64]]
     assert layers and all(dims[1] == sp for dims in layers)  # between layers: positions over sp
 
 
 @pytest.mark.slow
 def test_hsdp_shards_within_a_replica_and_repeats_over_replicas(slow_results):
-    result = slow_results["hsdp2x2"]
+    result = slow_results("hsdp2x2")
     assert_spread_over_every_device_of_a_replica(result, 4, 2)
     assert tile(result["input_sharding"]) == [4, 1]  # every device reads its own rows
     sharded = result["sharded"]
@@ -242,8 +254,8 @@ def test_hsdp_shards_within_a_replica_and_repeats_over_replicas(slow_results):
 
 @pytest.mark.slow
 def test_full_checkpoint_saved_with_tensor_parallelism_resumes_with_plain_fsdp(slow_results):
-    resume = slow_results["tp2"]["full_resume"]
-    assert slow_results["tp2"]["shardings"]["model.layers.0.self_attn.k_proj.weight"] == "{devices=[2,1]0,1}"
+    resume = slow_results("tp2")["full_resume"]
+    assert slow_results("tp2")["shardings"]["model.layers.0.self_attn.k_proj.weight"] == "{devices=[2,1]0,1}"
     assert resume["resumed_shardings"]["model.layers.0.self_attn.k_proj.weight"] == "{devices=[1,2]0,1}"
     assert resume["loaded_eval"] == pytest.approx(resume["saved_eval"], rel=EVAL_RTOL)
     assert max_relative_difference(resume["resumed"], resume["reference"]) <= FP32_RTOL
@@ -253,7 +265,7 @@ def test_full_checkpoint_saved_with_tensor_parallelism_resumes_with_plain_fsdp(s
 def test_mixtral_experts_are_split_over_ep_and_train_like_one_process(slow_results, tmp_path_factory):
     """fsdp 4 = 2 x ep 2 (device = 2 * fsdp + ep): each expert weight [experts, ...] has its experts over ep and
     its largest other dimension over the outer fsdp; attention stays sharded over all four devices."""
-    result = slow_results["mixtral_fsdp4_ep2"]
+    result = slow_results(MIXTRAL)
     shardings = result["shardings"]
     for layer in (0, 1):
         assert shardings[f"model.layers.{layer}.mlp.experts.gate_up_proj"] == "{devices=[2,2,1]0,2,1,3}"  # [4, 320, 64]
