@@ -127,7 +127,11 @@ def shard_output(output, mesh) -> None:
     """Rows of each unit's output over the data-parallel ranks (the data-parallel half of FSDP), positions over
     cp|sp. A layer returns a tensor; a transformers model a ModelOutput (or tuple) whose first entry is the
     logits or hidden states, [batch, sequence, ...]."""
-    tensor = output if isinstance(output, torch.Tensor) else output[0]
+    if isinstance(output, torch.Tensor):
+        tensor = output
+    else:  # a MoE model's output starts with its scalar aux_loss when it returns router logits
+        tensor = getattr(output, "logits", None)
+        tensor = tensor if tensor is not None else output[0]
     xs.mark_sharding(tensor, mesh, layout.activation_spec(tensor.dim()))
 
 

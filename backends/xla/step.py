@@ -18,7 +18,7 @@ import torch_xla.core.xla_model as xm
 from torch import nn
 
 from portable_fsdp.backends.hf_torch import matmul
-from portable_fsdp.backends.hf_torch.loss import accumulate_gradients, token_loss_sum
+from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, params as params_lib
@@ -96,9 +96,9 @@ def _autocast(ctx: Context):
     return torch.autocast("xla", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def _loss_sum(ctx: Context, model, input_ids, labels, positions) -> torch.Tensor:
+def _loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
     with _autocast(ctx):
-        return token_loss_sum(model, input_ids, labels, positions)
+        return token_loss_sum(model, input_ids, labels, positions, router)
 
 
 def train_step(state: TrainState, micro_batches: list) -> tuple:
@@ -109,9 +109,13 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     # XlaFullyShardedDataParallel averages gradients over its processes: scale so they sum instead.
     scale = (1 if runtime.spmd else runtime.world_size) / tokens.clamp(min=1)
 
+    # a MoE router's load-balancing loss (output_router_logits) over the whole batch, weighed as the model does;
+    # under SPMD a micro-batch's router logits are already every device's rows
+    router = RouterLoss(tokens / len(inputs), lambda t: rt.device_sum(runtime, t))
+
     @contextlib.contextmanager
     def forward(index: int, micro_batch: tuple):
-        yield _loss_sum(ctx, model, *micro_batch)
+        yield _loss_sum(ctx, model, *micro_batch, router)
         if index < len(inputs) - 1:
             rt.sync()  # one graph per micro-batch keeps graphs small and their number bounded
 
