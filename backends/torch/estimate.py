@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from portable_fsdp.backends.hf_torch import model as model_lib
@@ -35,7 +37,7 @@ from portable_fsdp.backends.hf_torch.optimizer import build_adamw
 from portable_fsdp.backends.torch import distributed, step as step_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup
 from portable_fsdp.backends.torch.mesh import build_meshes
-from portable_fsdp.backends.torch.parallelize import parallelize
+from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config import from_dict
@@ -44,28 +46,29 @@ from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.schedule import for_config as schedule_for
 from portable_fsdp.validate import resolve_plan
 
-# The tracker's categories, grouped as the estimate reports them.
+# The trackers' categories (FSDPMemTracker's for an FSDP2 module, MemTracker's for the plain module one rank
+# trains alone), grouped as the estimate reports them.
 CATEGORIES = {
-    "parameters": (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.BUFFER),
-    "gradients": (_FSDPRefType.SHARDED_GRAD,),
-    "optimizer": (_FSDPRefType.OPT,),
-    "activations": (_FSDPRefType.ACT, _FSDPRefType.INP),
-    "gathered": (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER),
-    "unsharded_gradients": (_FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER),
-    "temporaries": (_FSDPRefType.TEMP,),
+    "parameters": ("Sharded Param", "Parameter", "Buffer"),
+    "gradients": ("Sharded Grad", "Gradient"),
+    "optimizer": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs", "Other"),
+    "gathered": ("Unsharded Param", "All Gather"),
+    "unsharded_gradients": ("Unsharded Grad", "Reduce Scatter"),
+    "temporaries": ("Temp",),
 }
+GROUP_OF = {kind: name for name, kinds in CATEGORIES.items() for kind in kinds}
 # Under plan.cpu_offload these live in host memory: the device's peak leaves them out.
 OFFLOADED = ("parameters", "gradients", "optimizer")
 
 
-class _Tracker(FSDPMemTracker):
-    """FSDPMemTracker that also keeps the largest total of the categories on the device (all of them, or all but
-    the offloaded ones) with its breakdown, and the largest value each category reached."""
+class _Peaks:
+    """Mixed into a tracker: the largest total of the categories on the device (all of them, or all but the
+    offloaded ones) with its breakdown, and the largest value each category reached."""
 
-    def __init__(self, model, optimizer, offloaded: bool):
-        super().__init__(model, optimizer)
+    def _start_peaks(self, offloaded: bool) -> None:
         self._on_host = set(OFFLOADED) if offloaded else set()
-        self.device_peak, self.at_peak, self.largest = 0, {}, {}
+        self.device_peak, self.at_peak, self.largest = 0, dict.fromkeys(CATEGORIES, 0), dict.fromkeys(CATEGORIES, 0)
 
     def _update_peak_stats(self, peak_state) -> None:
         super()._update_peak_stats(peak_state)
@@ -74,18 +77,35 @@ class _Tracker(FSDPMemTracker):
         if on_device > self.device_peak:
             self.device_peak, self.at_peak = on_device, now
         for name, value in now.items():
-            self.largest[name] = max(self.largest.get(name, 0), value)
-
+            self.largest[name] = max(self.largest[name], value)
 
     def current(self) -> dict:
         """The categories now, grouped."""
-        totals = {kind: sum(snapshot.get(kind, 0) for snapshot in self._curr_mem_snap.values())
-                  for kind in _FSDPRefType}
-        return grouped(totals)
+        now = dict.fromkeys(CATEGORIES, 0)
+        for snapshot in self._curr_mem_snap.values():
+            for kind, value in snapshot.items():
+                group = GROUP_OF.get(getattr(kind, "value", kind))
+                if group:
+                    now[group] += value
+        return now
 
 
-def grouped(totals: dict) -> dict:
-    return {name: sum(totals.get(kind, 0) for kind in kinds) for name, kinds in CATEGORIES.items()}
+class _FSDPTracker(_Peaks, FSDPMemTracker):
+    def __init__(self, model, optimizer, offloaded: bool):
+        super().__init__(model, optimizer)
+        self._start_peaks(offloaded)
+
+
+class _PlainTracker(_Peaks, MemTracker):
+    def __init__(self, model, optimizer, offloaded: bool):
+        super().__init__()
+        self.track_external(model, optimizer)
+        self._start_peaks(offloaded)
+
+
+def tracker_for(model, optimizer, offloaded: bool):
+    cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
+    return cls(model, optimizer, offloaded)
 
 
 def estimate(config_dict: dict, world_size: int, ranks: list, target: str, host_is_device: bool = False) -> dict:
@@ -140,8 +160,11 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         model_lib.freeze_parameters(model, config.train.freeze)
         if config.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        logits_sharded = parallelize(model, plan, meshes, cp, sp, plan.wrap_classes(info), "cpu",
-                                     tensor_parallel_plan(plan, info))
+        layer_classes = plan.wrap_classes(info)
+        logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, "cpu", tensor_parallel_plan(plan, info))
+        if target == "cuda" and plan.cpu_offload and not isinstance(model, FSDPModule):
+            # one GPU with CPU offload trains under FSDP2, which the lowering skips for one CPU rank
+            apply_fsdp(model, plan, meshes, layer_classes, "cpu")
         model.to_empty(device=device)
         optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train,
                                 "cpu" if plan.cpu_offload else target)
@@ -151,7 +174,7 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
                                schedule_for(config.train), 0.0)
         batches = _micro_batches(config, micro_rows)
         offloaded = plan.cpu_offload and not host_is_device
-        tracker = _Tracker(model, optimizer, offloaded)
+        tracker = tracker_for(model, optimizer, offloaded)
         with tracker:
             _one_step(ctx, model, optimizer, batches, config.train.grad_accum_steps, tracker)
     after = tracker.current()
@@ -187,7 +210,7 @@ def _micro_batches(config, rows: int) -> list:
     return [batch] * min(config.train.grad_accum_steps, 2)
 
 
-def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker: _Tracker) -> None:
+def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker) -> None:
     """The step's forward and backward (step.compute_gradients without its host-side token counting: fake
     tensors hold no values), then the update."""
     tokens = float(sum(b.labels.size for b in batches) * ctx.plan.mesh.data_parallel_size)
@@ -195,7 +218,8 @@ def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker: 
     for index, batch in enumerate(batches):
         if index:
             tracker.reset_mod_stats()  # per-module statistics only (they refuse a second forward of the root)
-        model.set_requires_gradient_sync(index == len(batches) - 1)
+        if isinstance(model, FSDPModule):  # reduce-scatter after the last only
+            model.set_requires_gradient_sync(index == len(batches) - 1)
         with step_lib._sharded(ctx, batch) as (input_ids, labels, positions), step_lib._loss_context(ctx):
             loss = step_lib._loss_sum(ctx, model, input_ids, labels, positions, router)
             (loss / tokens).backward()
