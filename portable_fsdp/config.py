@@ -80,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
     c.train.freeze = []  # regexes of parameter names to keep frozen (e.g. ["embed_tokens"]; CLI: comma-separated)
     c.train.gradient_checkpointing = False  # the model's own; prefer plan.activation_checkpointing
+    # tokens per device whose logits the training and eval loss computes at once (the output projection and
+    # cross-entropy a chunk at a time, never a whole micro-batch's logits); 0 = all at once
+    c.train.loss_chunk_tokens = 1024
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     c.train.progress_bar = True
     c.train.collective_timeout_s = 300

@@ -56,7 +56,7 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     for rule, verdict in found:
         text = capabilities.message(rule, verdict, context, target)
         if isinstance(verdict, capabilities.Caution):
-            warnings.warn(f"{rule.field}={context[rule.field]}: {text}", stacklevel=2)
+            warnings.warn(f"{rule.field}={capabilities._show(context[rule.field])}: {text}", stacklevel=2)
         else:
             warnings.warn(f"{rule.field} has no effect on --backend {backend}: {text}", stacklevel=2)
 
@@ -94,7 +94,7 @@ def check_train_fields(config, data_parallel_size: int) -> None:
                  "collective_timeout_s"):
         _positive(t[name], f"train.{name}")
     for name in ("eval_every", "save_every", "warmup_steps", "eval_max_batches", "stop_at_step", "max_grad_norm", "weight_decay",
-                 "peak_flops_per_device"):
+                 "peak_flops_per_device", "loss_chunk_tokens"):
         _positive(t[name], f"train.{name}", allow_zero=True)
     _positive(t.lr, "train.lr")
     if t.nonfinite not in ("stop", "skip"):

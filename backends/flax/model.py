@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
+from portable_fsdp.backends.flax.loss import chunked_token_loss_sum
 from portable_fsdp.backends.flax.sharding import Layout
+from portable_fsdp.loss_chunks import Chunking
 
 NO_LAYOUT = Layout()
 
@@ -220,6 +222,14 @@ class LlamaForCausalLM(nnx.Module):
         logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return logits, load_balancing_loss(stats, input_ids.size * len(self.model.layers))
 
+    def loss_sum(self, input_ids, positions, labels, chunking: Chunking, layout: Layout = NO_LAYOUT):
+        """(Σ token losses under `labels`, projected and reduced a chunk at a time, never the whole batch's
+        logits; the router's load-balancing loss — 0 without one)."""
+        h, stats = self.model(input_ids, positions, layout)
+        kernel = self.model.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        total = chunked_token_loss_sum(h, kernel, labels, chunking)
+        return total, load_balancing_loss(stats, input_ids.size * len(self.model.layers))
+
 
 def load_balancing_loss(stats, rows: int):
     """transformers' load_balancing_loss_func over every layer's tokens (`rows` = tokens × layers), unweighted:
@@ -263,6 +273,10 @@ class ModelDef:
     def forward(self, params: dict, input_ids, positions, layout: Layout = NO_LAYOUT):
         """(logits, the router's load-balancing loss: 0 for a dense model or without output_router_logits)."""
         return self.bind(params)(input_ids, positions, layout)
+
+    def loss_sum(self, params: dict, input_ids, positions, labels, chunking: Chunking, layout: Layout = NO_LAYOUT):
+        """(Σ token losses, the router's load-balancing loss), the logits a chunk at a time (LlamaForCausalLM)."""
+        return self.bind(params).loss_sum(input_ids, positions, labels, chunking, layout)
 
 
 def define(arch: LlamaArchitecture, remat: bool = False) -> ModelDef:

@@ -21,18 +21,9 @@ import jax.numpy as jnp
 import optax
 
 from portable_fsdp.backends.flax import optimizer as optimizer_lib, sharding
+from portable_fsdp.backends.flax.loss import token_loss_sum
 from portable_fsdp.backends.flax.model import ModelDef
-from portable_fsdp.data.loader import IGNORE_INDEX
-
-
-def token_loss_sum(logits, labels):
-    """Σ cross-entropy over label tokens (IGNORE_INDEX excluded), in float32."""
-    logits = logits.astype(jnp.float32)
-    valid = labels != IGNORE_INDEX
-    # A one-hot product rather than take_along_axis: exact all the same (one term is non-zero), and its
-    # gradient is elementwise where a gather's is a scatter, which XLA cannot partition along rows and cp.
-    picked = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    return jnp.sum(jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0))
+from portable_fsdp.loss_chunks import Chunking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,27 +36,36 @@ class Programs:
 
 
 def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
-          opt_sharding, compute_dtype) -> Programs:
+          opt_sharding, compute_dtype, loss_chunk_tokens: int = 0) -> Programs:
+    """`loss_chunk_tokens` (train.loss_chunk_tokens): the training and eval losses project and reduce that many
+    tokens per device at a time (loss.py); 0 computes the whole batch's logits."""
     layout = sharding.Layout(mesh)
     coef = model_def.arch.router_aux_loss_coef
+    chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, sharding.SEQUENCE_AXES),
+                        sharding.size_of(mesh, sharding.DATA_AXES))
 
-    def forward(params, input_ids, positions):
-        compute = {name: p.astype(compute_dtype) for name, p in params.items()}
-        return model_def.forward(compute, input_ids, positions, layout)
+    def cast(params):
+        return {name: p.astype(compute_dtype) for name, p in params.items()}
 
     def logits_of(params, input_ids, positions):
-        return forward(params, input_ids, positions)[0]
+        return model_def.forward(cast(params), input_ids, positions, layout)[0]
+
+    def losses(params, input_ids, labels, positions):
+        """(Σ token losses, the router's load-balancing loss)."""
+        if chunking.tokens:
+            return model_def.loss_sum(cast(params), input_ids, positions, labels, chunking, layout)
+        logits, balance = model_def.forward(cast(params), input_ids, positions, layout)
+        return token_loss_sum(logits, labels), balance
 
     def loss_sum(params, input_ids, labels, positions):
-        return token_loss_sum(logits_of(params, input_ids, positions), labels)
+        return losses(params, input_ids, labels, positions)[0]
 
     def train(params, opt_state, input_ids, labels, positions, label_tokens, lr):
         micro_batches = input_ids.shape[0]
 
         def scaled_loss(p, micro):
             ids, labels, positions = micro
-            logits, balance = forward(p, ids, positions)
-            total = token_loss_sum(logits, labels)
+            total, balance = losses(p, ids, labels, positions)
             router = coef * balance / micro_batches
             return total / label_tokens + router, (total, router)  # torch scales each micro-batch's backward so
 

@@ -71,7 +71,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
-    programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype)
+    programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype,
+                                  config.train.loss_chunk_tokens)
     ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
                   schedule_for(config.train), baseline_mb)
     return TrainState(params, opt_state, 0, ctx)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp import faults
+from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.data.loader import IGNORE_INDEX
 
 
@@ -30,10 +31,17 @@ class RouterLoss:
 def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids,
                    router: RouterLoss | None = None) -> torch.Tensor:
     """Σ of token losses over this rank's tokens (labels were shifted before any sharding); with `router`, plus
-    this rank's share of the load-balancing loss when the model returns router logits."""
-    outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    this rank's share of the load-balancing loss when the model returns router logits. With a chunked loss
+    installed (chunked_loss.install), the model's output projection computes the sum a chunk of tokens at a
+    time inside the model's call, never the whole micro-batch's logits."""
+    chunked = chunked_loss.installed(model)
+    with chunked_loss.labels_for(chunked, labels):
+        outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    if chunked is not None:
+        loss = chunked_loss.loss_from(chunked, model, outputs.logits)
+    else:
+        loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
     router_logits = getattr(outputs, "router_logits", None)
     if router is not None and router_logits:
         share = load_balancing_share(router_logits, model.num_experts, model.num_experts_per_tok, router.all_reduce)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import matmul, model as model_lib
+from portable_fsdp.backends.hf_torch import chunked_loss, matmul, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
@@ -34,6 +34,7 @@ from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_g
 from portable_fsdp.data.loader import Batch
 from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
+from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
@@ -96,6 +97,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, runtime.device.type,
                                  tensor_parallel_plan(plan, info))
+    if not logits_sharded:  # a vocabulary-split lm_head keeps its loss_parallel loss (V / tp per rank)
+        chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), runtime.device.type)
     parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
     if rank0_only:
         broadcast_from_rank0(model, full_weights, parameters_on)

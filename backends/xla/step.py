@@ -17,7 +17,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 
-from portable_fsdp.backends.hf_torch import matmul
+from portable_fsdp.backends.hf_torch import chunked_loss, matmul
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
@@ -27,6 +27,7 @@ from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
 from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
+from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.schedule import for_config as schedule_for
 
@@ -73,6 +74,9 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     root = parallelize(model, plan, runtime, info, layer_classes, v1_kwargs)
+    # Under SPMD the program is global: a chunk spans the rows and sequence parts of every device.
+    spmd = {"sequence_parts": plan.mesh.sequence_size, "row_shards": plan.mesh.data_parallel_size} if runtime.spmd else {}
+    chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens, **spmd), "xla")
     named = tuple(params_lib.named_parameters(root, runtime.spmd))
     optimizer = optim.build_optimizer(named, config.train)
     optim.prime_state(optimizer)

@@ -53,6 +53,8 @@ CASES = [
      "error: plan.cp_rotate_method: unknown value 'ring'; choose one of allgather, alltoall"),
     (['--config.plan.cp_impl=fast'],
      "error: plan.cp_impl: unknown value 'fast'; choose one of auto, torch, portable"),
+    (['--config.train.loss_chunk_tokens=-1'],
+     'error: train.loss_chunk_tokens: must be >= 0 (got -1)'),
     (['--config.train.load_best_model_at_end=true'],
      'error: train.load_best_model_at_end: needs evaluations during training: set train.eval_every > 0'),
     (['--config.train.early_stopping_patience=2'],

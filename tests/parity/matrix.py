@@ -86,6 +86,15 @@ VARIANTS = {
     "tp2_cp2": Variant({**CP2, "plan.tp_size": "2"}, world=4),
     "sp2_tp2": Variant({"plan.sp_size": "2", "plan.tp_size": "2"}, world=4),  # 1 kv head per tp rank, 2 sp ranks
     "hsdp2_tp2": Variant({"plan.dp_replicate_size": "2", "plan.tp_size": "2"}, world=4),
+    # The loss a few tokens at a time (train.loss_chunk_tokens; 128 tokens per rank: 6 chunks, the last shorter),
+    # and on the whole micro-batch's logits.
+    "loss_chunks": Variant({"train.loss_chunk_tokens": "24"}),
+    "loss_chunks_cp2": Variant({**CP2, "train.loss_chunk_tokens": "24"}),
+    "loss_chunks_accum4": Variant({"train.batch_size": "8", "train.grad_accum_steps": "4",
+                                   "train.loss_chunk_tokens": "8"}),
+    "tied_tp2_loss_chunks": Variant({"model.tie_word_embeddings": "true", "plan.tp_size": "2",
+                                     "train.loss_chunk_tokens": "24"}),
+    "unchunked_loss": Variant({"train.loss_chunk_tokens": "0"}),
     # torch_xla's FSDP v1: one process per device, one PJRT CPU device here.
     "v1": Variant(V1, world=1),
     "v1_checkpointing": Variant({**V1, **CHECKPOINTING}, world=1),
@@ -99,10 +108,10 @@ DEFAULT = {
             "batch8", "batch8_accum4", "rank0_loading", "tied", "documents", "tied_rank0_loading",
             "cp2_allgather", "cp2_alltoall", "documents_cp2_allgather", "documents_cp2_alltoall",
             "fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
-            "cp4_alltoall_contiguous", "tp2"],
+            "cp4_alltoall_contiguous", "tp2", "loss_chunks", "unchunked_loss"],
     "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2",
-            "v1"],
-    "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2"],
+            "v1", "loss_chunks"],
+    "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2", "loss_chunks"],
 }
 
 

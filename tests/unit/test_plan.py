@@ -460,7 +460,7 @@ def test_positive_train_fields(config, name):
 
 
 @pytest.mark.parametrize("name", ["eval_every", "save_every", "warmup_steps", "eval_max_batches", "stop_at_step",
-                                  "max_grad_norm", "weight_decay", "peak_flops_per_device"])
+                                  "max_grad_norm", "weight_decay", "peak_flops_per_device", "loss_chunk_tokens"])
 def test_non_negative_train_fields(config, name):
     config.train[name] = type(config.train[name])(0)
     validate.check_train_fields(config, 1)
