@@ -157,6 +157,9 @@ FLAX_FAMILIES = ("llama", "qwen2", "mistral", "mixtral")  # the transformers mod
 CP_DROPOUT = ("= {value} (the model's {model.attention_dropout_key}): the portable context-parallel attention "
               "applies no dropout; set the model's {model.attention_dropout_key} to 0 in its config.json, or "
               "plan.cp_size=1")
+COMPILE_PORTABLE = ("with plan.{axis}={{plan.{axis}}}: the {what} attention reads each batch's shard layout from a "
+                    "context variable, which torch.compile cannot trace inside a layer compiled whole; set "
+                    "plan.compile=false or plan.{axis}=1")
 
 RULES = (
     # ---- the mesh axes besides fsdp and cp (what must divide what: portable_fsdp/mesh_fit.py)
@@ -241,6 +244,35 @@ RULES = (
                        "scaled_dot_product_attention (it would get mixed float32/bfloat16 inputs); set "
                        "model.attn_implementation=eager, or use FSDP v1 (plan.xla_fsdp_v2=false), which casts the "
                        "parameters")}),
+    # ---- the GPU fast path: compiled layers, float8 matmuls
+    Rule("plan.compile", (("plan.compile", ON),), {
+        **dict.fromkeys(XLA, NoEffect("torch_xla traces every step and compiles it with XLA anyway")),
+        "flax": NoEffect("every step is compiled whole by jax.jit anyway")}),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.cp_size", Above(1)), ("plan.cp_impl", Is("portable"))), {
+        "cuda": Refused(COMPILE_PORTABLE.format(what="context-parallel", axis="cp_size"))}),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.cp_size", Above(1))), {
+        "cpu": Refused(COMPILE_PORTABLE.format(what="context-parallel", axis="cp_size"))}),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.cp_size", Above(1)),
+                          ("plan.cp_impl", OneOf(("auto", "torch")))), {
+        "cuda": Refused("with plan.cp_size={plan.cp_size}: layers compiled whole under torch's context_parallel "
+                        "(plan.cp_impl=auto takes it on CUDA; it patches scaled_dot_product_attention during each "
+                        "step) are unverified against eager training; set plan.compile=false or plan.cp_size=1")}),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.sp_size", Above(1))), dict.fromkeys(
+        TORCH, Refused(COMPILE_PORTABLE.format(what="Ulysses sequence-parallel", axis="sp_size")))),
+    Rule("plan.float8", (("plan.float8", ON),), {
+        "cpu": Refused("float8 matmuls need an NVIDIA GPU with float8 tensor cores (L4, H100, H200, B200); on a CPU "
+                       "they are emulated, slower than float32: set plan.float8=false"),
+        **dict.fromkeys(XLA, Refused("is torchao's float8 training for CUDA GPUs, which torch_xla does not run; set "
+                                     "plan.float8=false (bfloat16 is the TPU's fast path: plan.param_dtype=bfloat16)")),
+        "flax": Refused("is torchao's float8 training for torch on CUDA GPUs; --backend flax has no float8 "
+                        "matmuls: set plan.float8=false")}),
+    Rule("plan.float8", (("plan.float8", ON), ("plan.tp_size", Above(1))), {
+        "cuda": Refused("with plan.tp_size={plan.tp_size}: tensor-parallel float8 layers need torchao's float8 "
+                        "tensor-parallel styles, which this lowering does not apply; set plan.float8=false or "
+                        "plan.tp_size=1")}),
+    Rule("plan.float8", (("plan.float8", ON), ("plan.compile", Is(False))), {
+        "cuda": Caution("without plan.compile every float8 cast is a kernel of its own, which usually makes the "
+                        "layers slower than in bfloat16; set plan.compile=true")}),
     # ---- backend-specific knobs on the other backends
     Rule("plan.cpu_collectives", (("plan.cpu_collectives", IsNot("auto")),), {
         "cuda": NoEffect("FSDP uses its device's collectives (NCCL)"),

@@ -172,6 +172,10 @@ class ShardingPlan:
                                 "base_model_tp_plan notation); empty = the model's own base_model_tp_plan")
     cpu_collectives: str = setting("auto", "CPU ranks: FSDP's collectives through shared memory on one host "
                                            "(auto) or gloo's", choices=("auto", "gloo"))
+    compile: bool = setting(False, "torch.compile each transformer layer (one graph per layer, compiled on the first "
+                                   "step)")
+    float8: bool = setting(False, "float8 matmuls (torchao) in every Linear layer but the lm_head (dims divisible by "
+                                  "16), on GPUs with float8 tensor cores")
     xla: XlaSettings = XlaSettings()
 
     def validate(self, *, model_gradient_checkpointing: bool = False) -> None:
@@ -204,7 +208,8 @@ class ShardingPlan:
         model does not have, the model itself, or a class inside another wrapped class is a UserError naming
         the classes the model does have (its _no_split_modules first)."""
         wanted = tuple(self.transformer_layer_cls_to_wrap) or tuple(model.no_split_modules)
-        needed = self.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP or self.activation_checkpointing
+        needed = (self.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP or self.activation_checkpointing
+                  or self.compile)
         field = "plan.transformer_layer_cls_to_wrap"
         if not wanted and needed:
             raise UserError(field, (

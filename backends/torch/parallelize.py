@@ -6,9 +6,11 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from portable_fsdp.backends.torch.compile import apply_compile
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
 from portable_fsdp.backends.torch.expert_parallel import apply_expert_parallel, shard_experts
+from portable_fsdp.backends.torch.float8 import apply_float8
 from portable_fsdp.backends.torch.mesh import Meshes
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup, apply_sequence_parallel
 from portable_fsdp.backends.torch.tensor_parallel import apply_tensor_parallel
@@ -21,17 +23,21 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
                 layer_classes: tuple, device_type: str, tp_plan: dict) -> bool:
     """Lower `plan` onto `model` in place, in this order, as torchtitan does:
 
+    0. float8 (plan.float8): the chosen Linear layers become torchao's Float8Linear (float8 products);
     1. tensor parallelism (meshes.tp): the modules `tp_plan` names split over the tp group;
     2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group, tokens sent to them;
     3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
        sequence shards;
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
-    5. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
+    5. torch.compile (plan.compile): each layer (its wrapper, when checkpointed) compiled in place;
+    6. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
        `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp).
 
     Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
     then runs under torch's loss_parallel."""
     logits_sharded = False
+    if plan.float8:
+        apply_float8(model)
     if meshes.tp is not None:
         logits_sharded = apply_tensor_parallel(model, meshes.tp, tp_plan, strict=bool(plan.tp_plan))
     experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else []
@@ -41,6 +47,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         apply_sequence_parallel(model, sp)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
+    if plan.compile:
+        apply_compile([m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)])
     if experts:  # sharded over the ranks that hold the same experts, before the layers holding them
         shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
                       host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")

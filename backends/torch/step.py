@@ -23,6 +23,7 @@ from portable_fsdp.backends.hf_torch import chunked_loss, matmul, model as model
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch import float8
 from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
@@ -78,6 +79,8 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
+    if plan.float8:  # before the model is built: torchao missing, or a GPU without float8, is one line
+        float8.check_supported(runtime.device)
     info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
     baseline_mb = _memory_now_mb(runtime.device)
     layer_classes = plan.wrap_classes(info)

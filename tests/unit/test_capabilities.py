@@ -53,6 +53,21 @@ REFUSED = [
     ("xla", {"plan.xla_fsdp_v2": "false"}, "CUDA", 1, "plan.xla_fsdp_v2", "launched on CPU and TPU only, not on PJRT device cuda"),
     ("xla", {"plan.xla_fsdp_v2": "false"}, "CPU", 2, "--nproc", "2: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device"),
     ("flax", {"train.freeze": "embed_tokens"}, "cpu", 2, "train.freeze", "leave train.freeze empty"),
+    ("cpu", {"plan.compile": "true", "plan.cp_size": "2"}, None, 2, "plan.compile",
+     "with plan.cp_size=2: the context-parallel attention reads each batch's shard layout from a context variable, "
+     "which torch.compile cannot trace inside a layer compiled whole; set plan.compile=false or plan.cp_size=1"),
+    ("cuda", {"plan.compile": "true", "plan.cp_size": "2", "plan.cp_impl": "portable"}, None, 2, "plan.compile",
+     "from a context variable"),
+    ("cuda", {"plan.compile": "true", "plan.cp_size": "2"}, None, 2, "plan.compile",
+     "under torch's context_parallel (plan.cp_impl=auto takes it on CUDA"),
+    ("cpu", {"plan.compile": "true", "plan.sp_size": "2"}, None, 2, "plan.compile",
+     "the Ulysses sequence-parallel attention reads"),
+    ("cuda", {"plan.compile": "true", "plan.sp_size": "2"}, None, 2, "plan.compile", "or plan.sp_size=1"),
+    ("cpu", {"plan.float8": "true"}, None, 2, "plan.float8", "on a CPU they are emulated, slower than float32"),
+    ("xla", {"plan.float8": "true"}, "TPU", 2, "plan.float8", "which torch_xla does not run"),
+    ("flax", {"plan.float8": "true"}, "gpu", 2, "plan.float8", "--backend flax has no float8 matmuls"),
+    ("cuda", {"plan.float8": "true", "plan.compile": "true", "plan.tp_size": "2"}, None, 2, "plan.float8",
+     "with plan.tp_size=2: tensor-parallel float8 layers need torchao's float8 tensor-parallel styles"),
 ]
 
 
@@ -81,6 +96,10 @@ WITHOUT_EFFECT = [
     ("xla", {"plan.min_num_params": "1000", "plan.auto_wrap_policy": "SIZE_BASED_WRAP"}, "CPU", []),
     ("cpu", {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": "false"}, None, []),
     ("cpu", {"plan.cpu_collectives": "gloo", "plan.cpu_offload": "true"}, None, []),
+    ("xla", {"plan.compile": "true"}, "TPU", ["plan.compile"]),  # XLA compiles every step anyway
+    ("flax", {"plan.compile": "true"}, "cpu", ["plan.compile"]),  # and so does jax.jit
+    ("cpu", {"plan.compile": "true", "plan.tp_size": "2", "plan.activation_checkpointing": "true"}, None, []),
+    ("cuda", {"plan.compile": "true", "plan.float8": "true", "plan.activation_checkpointing": "true"}, None, []),
 ]
 
 
@@ -100,6 +119,12 @@ def test_no_wrap_runs_with_a_warning_that_it_saves_no_memory(backend, device):
     (message,) = check(backend, overrides, device, nproc=1 if device == "TPU" else 2)
     assert message == ("plan.auto_wrap_policy=NO_WRAP: the whole model is one FSDP unit, so every parameter is "
                        "gathered at once and sharding saves no memory at compute time")
+
+
+def test_float8_without_compiled_layers_runs_with_a_warning_about_its_casts():
+    (message,) = check("cuda", {"plan.float8": "true"})
+    assert message == ("plan.float8=true: without plan.compile every float8 cast is a kernel of its own, which "
+                       "usually makes the layers slower than in bfloat16; set plan.compile=true")
 
 
 @pytest.mark.parametrize("backend, device", [("cpu", None), ("cuda", None), ("xla", "CPU"), ("flax", "cpu")])
