@@ -205,6 +205,12 @@ RULES = (
             "state in host memory; set plan.cpu_offload=false (or use --backend cpu / cuda for CPU offload)"))}),
     Rule("plan.cpu_offload", (("plan.cpu_offload", ON), ("device", IsNot("cpu"))), {
         "flax": Refused("is not available on --backend flax with {device} devices; set it to false")}),
+    Rule("plan.cpu_offload", (("plan.cpu_offload", ON), ("--nproc", Is(1))), {
+        "cpu": NoEffect("a world of one rank trains the plain module, whose parameters and optimizer state are in "
+                        "host memory already"),
+        "cuda": Caution("with one rank FSDP2 still wraps the model, over that rank alone, to keep the parameters, "
+                        "gradients and optimizer state in host memory and copy each layer's parameters to the GPU "
+                        "when it runs (one rank otherwise trains the plain module)")}),
     Rule("plan.reshard_after_forward", (("plan.reshard_after_forward", Is(False)),), {
         "xla": Refused("= false has no SPMD FSDPv2 equivalent: there the XLA compiler decides when gathered "
                        "parameters are freed; set it to true, or use FSDP v1 (plan.xla_fsdp_v2=false), which keeps "

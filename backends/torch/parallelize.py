@@ -31,7 +31,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
     5. torch.compile (plan.compile): each layer (its wrapper, when checkpointed) compiled in place;
     6. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
-       `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp).
+       `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp) — unless one rank holds
+       everything (`shards`): a world of one rank trains the plain module, moved to the device.
 
     Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
     then runs under torch's loss_parallel."""
@@ -52,8 +53,19 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     if experts:  # sharded over the ranks that hold the same experts, before the layers holding them
         shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
                       host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")
-    apply_fsdp(model, plan, meshes, layer_classes, device_type)
+    if shards(plan, meshes, device_type):
+        apply_fsdp(model, plan, meshes, layer_classes, device_type)
+    else:
+        model.to(device_type)
     return logits_sharded
+
+
+def shards(plan: ShardingPlan, meshes: Meshes, device_type: str) -> bool:
+    """Whether FSDP2 wraps the model: on more than one rank, or on one GPU with CPU offload (FSDP2's offload
+    policy keeps the state in host memory and brings each unit's parameters to the GPU when it runs). A world
+    of one rank otherwise trains the plain module — plain tensors, no hooks, no all-gathers or reduce-scatters;
+    its mixed precision is autocast (backends/torch/step.py)."""
+    return meshes.world.size() > 1 or (plan.cpu_offload and device_type != "cpu")
 
 
 def _class_name(module: nn.Module) -> str:

@@ -29,7 +29,7 @@ from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shar
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
 from portable_fsdp.backends.torch.model import broadcast_from_rank0
-from portable_fsdp.backends.torch.parallelize import parallelize
+from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
 from portable_fsdp.data.loader import Batch
@@ -103,7 +103,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if not logits_sharded:  # a vocabulary-split lm_head keeps its loss_parallel loss (V / tp per rank)
         chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), runtime.device.type)
     parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
-    if rank0_only:
+    if rank0_only and isinstance(model, FSDPModule):  # one rank alone built the whole model already
         broadcast_from_rank0(model, full_weights, parameters_on)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
@@ -141,7 +141,8 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
 
     @contextlib.contextmanager
     def forward(index: int, batch: Batch):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)  # reduce-scatter after the last only
+        if isinstance(model, FSDPModule):  # reduce-scatter after the last only
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         # The backward runs inside: checkpointed layers re-run CP/SP attention on these shards.
         with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
             yield _loss_sum(ctx, model, input_ids, labels, positions, router)
@@ -184,9 +185,19 @@ def _sum_over_tokens(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
 
 def _loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
     """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
-    replicated loss)."""
-    loss = token_loss_sum(model, input_ids, labels, positions, router)
+    replicated loss). The forward only: a backward runs outside `_mixed_precision`."""
+    with _mixed_precision(ctx, model):
+        loss = token_loss_sum(model, input_ids, labels, positions, router)
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def _mixed_precision(ctx: Context, model) -> contextlib.AbstractContextManager:
+    """Around a forward: plan.param_dtype for a plain module (a world of one rank; parallelize.shards) through
+    autocast — FSDP2's MixedPrecisionPolicy casts a wrapped model's parameters itself."""
+    dtype = ctx.plan.mixed_precision.param_dtype
+    if dtype == "float32" or isinstance(model, FSDPModule):
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.runtime.device.type, dtype=DTYPES[dtype])
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
@@ -258,7 +269,7 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     take the same path."""
     ctx = state.ctx
     state.model.eval()
-    with _sharded(ctx, batch) as (input_ids, _, positions):
+    with _sharded(ctx, batch) as (input_ids, _, positions), _mixed_precision(ctx, state.model):
         logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
