@@ -4,7 +4,7 @@ and autograd would keep them, their bf16 copy and their gradient).
 
 The model's own output projection (transformers' `get_output_embeddings()`, `lm_head`, tied or not) is given
 labels for the length of one model call (`labels_for`); its forward then returns, instead of logits, the token
-losses summed per row and sequence part ([rows, parts], fp32), chunks cut as portable_fsdp.loss_chunks says. Everything runs inside the model's call, so
+losses summed per row and sequence part ([rows, parts], fp32). Everything runs inside the model's call, so
 whatever wraps the model sees an ordinary forward: FSDP2's root hooks have gathered the projection's weight
 (and its gradient is reduce-scattered after backward as any other), torch_xla's wrappers annotate the output
 like logits (rows over the data-parallel devices, parts over cp|sp). Without labels (predictions) the
@@ -13,9 +13,9 @@ projection returns logits as before.
 Each chunk's logits are computed, reduced to losses, and their gradient (softmax − one-hot) is turned at once
 into the gradients of the hidden states and of the weight (and bias), which backward only scales: the same
 three products as an unchunked forward and backward, no recomputation, and nothing for a compiler to fold
-back into one big tensor. Chunks run along the sequence, each covering every row and every sequence part, so
-under SPMD (rows split over the data-parallel devices, positions over cp|sp) every device computes its share
-of every chunk.
+back into one big tensor. Chunks run along the sequence, each covering every row and every sequence part
+(portable_fsdp/loss_chunks.py), so under SPMD (rows split over the data-parallel devices, positions over cp|sp)
+every device computes its share of every chunk.
 
 A model whose forward changes the logits after the projection (soft-capping, scaling) is left unchunked when
 its config says so (LOGIT_TRANSFORMS); any other is caught on its first call (`loss_from`), never trained on a
@@ -167,7 +167,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Each row-part's tokens scale by its incoming gradient. The weight's and bias's gradients were summed
         # over every row-part: exact for the one use of the output, its plain sum (loss_from), where the
         # incoming gradient is the same everywhere.
-        grad_hidden = grad_hidden * grad_sums.to(grad_hidden.dtype)[:, :, None, None] if ctx.needs_input_grad[0] else None
+        scale = grad_sums.to(grad_hidden.dtype)[:, :, None, None]
+        grad_hidden = grad_hidden * scale if ctx.needs_input_grad[0] else None
         uniform = grad_sums.mean()
         grad_weight = (grad_weight * uniform).to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = (grad_bias * uniform).to(bias_dtype) if grad_bias is not None and ctx.needs_input_grad[2] else None
