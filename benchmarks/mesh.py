@@ -15,7 +15,10 @@ Formulas (per rank and step; f(n) = (n-1)/n; U = bytes FSDP gathers per rank —
 parallelism —, R = the root's part of U, kept gathered from forward to backward; activations B·s·h in fp32
 with B the rank's sequences; L layers):
   FSDP over n ranks   all-gather (2U - R)·f(n), reduce-scatter U·f(n); HSDP adds an all-reduce 2·(U/n)·f(r)
-  TP over t ranks     all-reduce 4·L·B·s·h·4 B · 2·f(t) (two per layer forward, two backward: Megatron's)
+  TP over t ranks     all-reduce (7·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
+                      down_proj) and, in backward, one per colwise projection reading the layer's input (q, k, v;
+                      gate, up: torch's ColwiseParallel reduces each input gradient by itself, where Megatron's 4·L
+                      reduces once per block), plus lm_head's input gradient (vocabulary-split lm_head)
   Ulysses SP over u   all-to-all 2·L·B·(s/u)·(2h + 2·kv)·4 B · f(u) (q, k, v and the output, forward and back)
   EP over e ranks     all-to-all 4·L·B·s·k·h·4 B · f(e) (dispatch and combine of k copies of each token, forward
                       and back; f(e) is the share routed off-rank when routing is uniform)
@@ -78,7 +81,7 @@ def formula(setting: Setting, counted: dict, shape: dict, seq_len: int) -> dict:
     expected = {"all_gather": (2 * unit - root) * f(shard), "reduce_scatter": unit * f(shard),
                 "all_reduce": 2 * unit / shard * f(replicas) if replicas > 1 else 0.0, "all_to_all": 0.0}
     if sizes["tp"] > 1:
-        expected["all_reduce"] += 4 * layers * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
+        expected["all_reduce"] += (7 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
     if sizes["sp"] > 1:
         u = sizes["sp"]
         expected["all_to_all"] += 2 * layers * rows * (seq_len / u) * (2 * h + 2 * kv) * 4 * f(u)
@@ -182,7 +185,16 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", default="", help="comma-separated setting names")
+    parser.add_argument("--report", help="print the table of a results JSON again (formulas recomputed)")
     args = parse_benchmark_args(parser)
+    if args.report:
+        saved = json.loads(pathlib.Path(args.report).read_text())
+        settings = {s.name: s for s in SETTINGS}
+        for row in saved["rows"]:
+            row["expected_per_step"] = formula(settings[row["setting"]], row, saved["shape"], row["seq_len"])
+        write_json(pathlib.Path(args.report), saved)
+        print(report(saved["rows"]))
+        return
     shape = QUICK if args.quick else DENSE
     lengths = (64, 128) if args.quick else (args.seq_len, args.long)
     steps = 2 if args.quick else args.steps

@@ -50,3 +50,10 @@ def test_flax_refuses_the_families_it_does_not_build(family, tmp_path, tmp_path_
     assert refused(tmp_path, "flax", model, {}) == (
         f"error: model.model_type: {family} is not implemented by --backend flax, which builds llama, qwen2, "
         "mistral, mixtral models; train it with --backend cpu, cuda or xla")
+
+
+def test_tensor_parallelism_on_a_model_without_a_plan_is_refused(tmp_path, tmp_path_factory):
+    model = families.saved(tmp_path_factory, "gpt2")  # transformers ships no base_model_tp_plan for GPT-2
+    assert refused(tmp_path, "cpu", model, {"plan.tp_size": 2}).startswith(
+        "error: plan.tp_size: 2 needs a tensor-parallel plan and GPT2LMHeadModel ships none (no base_model_tp_plan "
+        "in its config): give one as plan.tp_plan")
