@@ -1,17 +1,18 @@
 """Memory of one training step per rank, measured without a device: the torch lowering's own start-up (mesh,
 `parallelize`, AdamW) run on fake tensors over a fake process group, then one step under torch's FSDPMemTracker.
 
-`estimate_rank` builds exactly what `step.init` builds — the transformers model (inside FakeTensorMode: no
-weight is ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), tensor / expert / context / sequence
-parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the optimizer
-(`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
+`estimate_rank` builds what `step.init` builds — the transformers model (inside FakeTensorMode: no weight is
+ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), float8, tensor / expert / context / sequence
+parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the chunked loss
+(`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
 through the step's own sharding and loss (`step._sharded`, `step._loss_sum`). The tracker attributes every
 storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
 buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
 
 What it does not model: the CUDA caching allocator's rounding and fragmentation, the CUDA context and NCCL's
 buffers, flash attention kernels (CPU's SDPA kernel is traced; its saved tensors are the same shape),
-torch.compile, and the gradient-norm computation (a few scalars per parameter).
+torch.compile's fusions (compiled layers are traced eagerly), Liger's fused loss kernel (the chunked loss is
+traced), and the gradient-norm computation (a few scalars per parameter).
 
 The fake process group must never meet a real one: this runs only in the estimator's own process
 (portable_fsdp.estimate starts it).
@@ -31,7 +32,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from portable_fsdp.backends.hf_torch import model as model_lib
+from portable_fsdp.backends.hf_torch import chunked_loss, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss
 from portable_fsdp.backends.hf_torch.optimizer import build_adamw
 from portable_fsdp.backends.torch import distributed, step as step_lib
@@ -42,6 +43,7 @@ from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config import from_dict
 from portable_fsdp.data.loader import Batch
+from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.schedule import for_config as schedule_for
 from portable_fsdp.validate import resolve_plan
@@ -125,7 +127,8 @@ def estimate_rank(config, world_size: int, rank: int, target: str, info, host_is
     began = time.perf_counter()
     plan = resolve_plan(config, world_size)
     # FSDP's collectives through gloo's path: the shared-memory one (cpu_collectives=auto) maps real buffers.
-    plan = dataclasses.replace(plan, cpu_collectives="gloo")
+    # Compiled layers are traced eagerly (dynamo does not run on fake tensors here; its fusions lower activations).
+    plan = dataclasses.replace(plan, cpu_collectives="gloo", compile=False)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with _quiet_warnings():
@@ -165,6 +168,8 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         if target == "cuda" and plan.cpu_offload and not isinstance(model, FSDPModule):
             # one GPU with CPU offload trains under FSDP2, which the lowering skips for one CPU rank
             apply_fsdp(model, plan, meshes, layer_classes, "cpu")
+        if not logits_sharded:  # as step.init: the loss a chunk of tokens at a time
+            chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)
         optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train,
                                 "cpu" if plan.cpu_offload else target)
