@@ -105,7 +105,10 @@ def resolve_target(backend: str, device: str, nproc: int | None) -> Target:
         raise UserError("--device", f"unknown device {device!r}; choose one of "
                         f"{', '.join([*hardware.DEVICE_MEMORY, 'cpu'])}")
     label, memory = hardware.DEVICE_MEMORY[device]
-    if backend in ("cpu", "cuda") and label.startswith("TPU"):
+    if backend == "cpu":
+        raise UserError("--device", f"--backend cpu trains in host memory (--device cpu); for {device} use "
+                        f"--backend {'xla' if label.startswith('TPU') else 'cuda'}")
+    if backend == "cuda" and label.startswith("TPU"):
         raise UserError("--device", f"{device} is a TPU; estimate it with --backend xla or --backend flax")
     if backend == "xla" and not label.startswith("TPU"):
         raise UserError("--device", f"{device} is a GPU; --backend xla trains on TPUs (or the CPU): use --backend cuda")

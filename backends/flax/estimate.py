@@ -45,7 +45,7 @@ def estimate(config_dict: dict, world_size: int) -> dict:
     opt_sharding = sharding.optimizer_shardings(opt_shapes, param_sharding, mesh)
     opt_state = jax.tree.map(_abstract, opt_shapes, opt_sharding)
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding,
-                                  COMPUTE_DTYPES[plan.mixed_precision.param_dtype])
+                                  COMPUTE_DTYPES[plan.mixed_precision.param_dtype], config.train.loss_chunk_tokens)
     t = config.train
     stacked = sharding.batch_sharding(mesh, leading_axes=1)
     rows = t.batch_size // t.grad_accum_steps

@@ -35,6 +35,7 @@ def test_host_memory_is_shared_by_the_ranks():
     ("cuda", "h1000", "--device", "unknown device 'h1000'"),
     ("cuda", "v5p", "--device", "is a TPU"),
     ("xla", "h100", "--device", "is a GPU"),
+    ("cpu", "h100", "--device", "--backend cpu trains in host memory"),
 ])
 def test_devices_that_do_not_exist_or_do_not_match_the_backend_are_refused(backend, device, field, words):
     with pytest.raises(UserError) as err:
