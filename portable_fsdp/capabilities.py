@@ -265,6 +265,14 @@ RULES = (
                         "step) are unverified against eager training; set plan.compile=false or plan.cp_size=1")}),
     Rule("plan.compile", (("plan.compile", ON), ("plan.sp_size", Above(1))), dict.fromkeys(
         TORCH, Refused(COMPILE_PORTABLE.format(what="Ulysses sequence-parallel", axis="sp_size")))),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.ep_size", Above(1))), dict.fromkeys(TORCH, Refused(
+        "with plan.ep_size={plan.ep_size}: each layer's experts are an FSDP unit of their own inside the layer, "
+        "and torch.compile cannot run FSDP's hooks inside a layer compiled whole; set plan.compile=false or "
+        "plan.ep_size=1"))),
+    Rule("plan.compile", (("plan.compile", ON), ("plan.auto_wrap_policy", Is("SIZE_BASED_WRAP"))), dict.fromkeys(
+        TORCH, Refused("with plan.auto_wrap_policy=SIZE_BASED_WRAP: FSDP units chosen by size can lie inside a "
+                       "transformer layer, and torch.compile cannot run FSDP's hooks inside a layer compiled whole; "
+                       "use plan.auto_wrap_policy=TRANSFORMER_BASED_WRAP or set plan.compile=false"))),
     Rule("plan.float8", (("plan.float8", ON),), {
         "cpu": Refused("float8 matmuls need an NVIDIA GPU with float8 tensor cores (L4, H100, H200, B200); on a CPU "
                        "they are emulated, slower than float32: set plan.float8=false"),

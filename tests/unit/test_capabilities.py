@@ -63,6 +63,10 @@ REFUSED = [
     ("cpu", {"plan.compile": "true", "plan.sp_size": "2"}, None, 2, "plan.compile",
      "the Ulysses sequence-parallel attention reads"),
     ("cuda", {"plan.compile": "true", "plan.sp_size": "2"}, None, 2, "plan.compile", "or plan.sp_size=1"),
+    ("cpu", {"plan.compile": "true", "plan.ep_size": "2"}, None, 2, "plan.compile",
+     "with plan.ep_size=2: each layer's experts are an FSDP unit of their own inside the layer"),
+    ("cuda", {"plan.compile": "true", "plan.auto_wrap_policy": "SIZE_BASED_WRAP", "plan.min_num_params": "1000"},
+     None, 2, "plan.compile", "use plan.auto_wrap_policy=TRANSFORMER_BASED_WRAP or set plan.compile=false"),
     ("cpu", {"plan.float8": "true"}, None, 2, "plan.float8", "on a CPU they are emulated, slower than float32"),
     ("xla", {"plan.float8": "true"}, "TPU", 2, "plan.float8", "which torch_xla does not run"),
     ("flax", {"plan.float8": "true"}, "gpu", 2, "plan.float8", "--backend flax has no float8 matmuls"),
@@ -100,6 +104,7 @@ WITHOUT_EFFECT = [
     ("flax", {"plan.compile": "true"}, "cpu", ["plan.compile"]),  # and so does jax.jit
     ("cpu", {"plan.compile": "true", "plan.tp_size": "2", "plan.activation_checkpointing": "true"}, None, []),
     ("cuda", {"plan.compile": "true", "plan.float8": "true", "plan.activation_checkpointing": "true"}, None, []),
+    ("cpu", {"plan.compile": "true", "plan.cpu_offload": "true"}, None, []),
 ]
 
 
