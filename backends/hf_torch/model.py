@@ -3,14 +3,17 @@ architecture (by model_type and the config's sizes, or from a config.json), or t
 `from_pretrained` directory or hub id, optionally on rank 0 only (`cpu_ram_efficient_loading`)."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import pathlib
 import re
+import warnings
 
 import torch
 
 from portable_fsdp import checkpointing
 from portable_fsdp.backend import ModelInfo
+from portable_fsdp.backends.hf_torch import deferred_init
 from portable_fsdp.errors import UserError
 
 
@@ -153,6 +156,36 @@ def create_model(config, rank: int, rank0_only: bool):
         return AutoModelForCausalLM.from_pretrained(config.model.init_from, config=cfg, local_files_only=local,
                                                     dtype=torch.float32)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+@dataclasses.dataclass
+class OnMeta:
+    """A model built on the meta device and how to fill it: its parameters' init, replayable one parameter at
+    a time (deferred_init.replay from `seed`), and its computed buffers."""
+
+    model: torch.nn.Module
+    recording: deferred_init.Recording
+    seed: int
+    buffers: dict
+
+
+def create_on_meta(config) -> OnMeta | None:
+    """The random init of `create_model` with no parameter allocated, or None when the model's init does
+    something the replay cannot reproduce bit for bit (one line says so; the caller builds it whole)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(config.model)
+
+    def build():
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+    try:
+        model, recording = deferred_init.build_on_meta(build)
+    except deferred_init.Unsupported as why:
+        warnings.warn(f"every rank builds the whole model before sharding it: its init cannot be replayed "
+                      f"shard by shard ({why})", stacklevel=2)
+        return None
+    return OnMeta(model, recording, config.seed, deferred_init.computed_buffers(build))
 
 
 def freeze_parameters(model, patterns: list) -> None:

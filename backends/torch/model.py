@@ -1,10 +1,15 @@
-"""Filling a model built on the meta device (hf_torch.model.create_model with `rank0_only`) from rank 0's
-weights once FSDP has sharded it (`cpu_ram_efficient_loading`)."""
+"""Filling a model built on the meta device once FSDP has sharded it: from rank 0's weights
+(hf_torch.model.create_model with `rank0_only`: `cpu_ram_efficient_loading`), or each rank its own shards of the
+seeded random init (hf_torch.model.create_on_meta)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_WRAPPED
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from portable_fsdp.backends.hf_torch.deferred_init import replay
 
 
 def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
@@ -20,3 +25,35 @@ def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
             buffer = getattr(module, name)
             if buffer is not None:
                 dist.broadcast(buffer, src=0)
+
+
+def materialize_shards(model, on_meta, device: torch.device) -> None:
+    """After parallelizing a model built on the meta device (hf_torch.model.create_on_meta): allocate this
+    rank's shards on `device` and fill them with the seeded init, one full parameter at a time on the CPU, of
+    which each rank keeps its own slice; then the computed buffers. No rank ever holds the whole model."""
+    model.to_empty(device=device)
+    params = {_unwrapped_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def deliver(names, full):
+        for name in names:
+            _fill(params[name], full)
+
+    replay(on_meta.recording, on_meta.seed, deliver)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(on_meta.buffers[_unwrapped_name(name)])
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name in the model as built (a checkpointed layer's sit inside its wrapper)."""
+    return name.replace(CHECKPOINT_WRAPPED + ".", "")
+
+
+@torch.no_grad()
+def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """`param`'s piece of the full value: a DTensor's local shard (torch.chunk's split, FSDP2's and TP's), a
+    plain tensor whole."""
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)

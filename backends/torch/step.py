@@ -28,8 +28,8 @@ from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
-from portable_fsdp.backends.torch.model import broadcast_from_rank0
-from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize
+from portable_fsdp.backends.torch.model import broadcast_from_rank0, materialize_shards
+from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize, shards
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
 from portable_fsdp.data.loader import Batch
@@ -93,7 +93,11 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if meshes.sp is not None:
         sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
     rank0_only = plan.cpu_ram_efficient_loading
-    model = model_lib.create_model(config, runtime.rank, rank0_only)
+    # A sharded random init: every rank builds the model on the meta device and fills only its own shards.
+    on_meta = None
+    if not rank0_only and not config.model.init_from and shards(plan, meshes, runtime.device.type):
+        on_meta = model_lib.create_on_meta(config)
+    model = on_meta.model if on_meta else model_lib.create_model(config, runtime.rank, rank0_only)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
@@ -105,6 +109,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
     if rank0_only and isinstance(model, FSDPModule):  # one rank alone built the whole model already
         broadcast_from_rank0(model, full_weights, parameters_on)
+    if on_meta:
+        materialize_shards(model, on_meta, parameters_on)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
