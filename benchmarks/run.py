@@ -6,7 +6,8 @@
 
 Sections (each a set of fresh runs of `python -m portable_fsdp.run`, or of a torchrun worker):
   throughput     tokens/s of ours (2 ranks, FSDP2) vs HF Trainer (2 ranks, FSDP2 through Accelerate) vs ours on
-                 1 process, same model / data / global batch / steps, runs alternated so drift cancels; MFU
+                 1 process, same model / data / global batch / steps, runs alternated so drift cancels; MFU; the
+                 byte vocabulary's models and the 20M one with 32k and 128k vocabularies (real tokenizers')
   memory         bytes of parameters + gradients + optimizer state per rank vs unsharded / world size, and peak
                  resident memory per rank, world size 1 / 2 / 4 x reshard on/off, CPU offload, checkpointing
   scaling        step time and memory as the model grows, and as the sequence grows with cp=1 vs cp=2
@@ -35,7 +36,12 @@ QUICK_RESULTS = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_suite_quick
 # (hidden, intermediate, layers, heads, kv heads); the byte tokenizer's 384-token vocabulary.
 MODELS = {"20M": (512, 1408, 7, 8, 4), "50M": (640, 1728, 10, 10, 5), "100M": (768, 2048, 16, 12, 6)}
 QUICK_MODELS = {"20M": (64, 160, 2, 4, 2), "50M": (96, 256, 2, 4, 2), "100M": (128, 352, 2, 4, 2)}
+# The 20M shape with a real tokenizer's vocabulary (Llama 2's, Llama 3's): embedding and lm_head then hold most
+# of the parameters and the loss most of the memory. The byte tokenizer's ids are a subset of either.
+VOCAB_MODELS = {"20M, vocab 32k": ("20M", 32_000), "20M, vocab 128k": ("20M", 128_256)}
 SEQ_LEN, GLOBAL_BATCH = 256, 4
+# The throughput section's models: (model, rounds, steps per run).
+THROUGHPUT = (("20M", 3, 8), ("100M", 2, 5), ("20M, vocab 32k", 2, 5), ("20M, vocab 128k", 2, 4))
 # Same schedule on both sides of every comparison (Trainer's warm-up would otherwise start at lr 0 for 20 steps).
 SCHEDULE = ["--config.train.warmup_steps=1"]
 
@@ -46,6 +52,9 @@ class Suite:
         self.models = QUICK_MODELS if quick else MODELS
 
     def model_flags(self, size: str) -> list:
+        if size in VOCAB_MODELS:
+            shape, vocab = VOCAB_MODELS[size]
+            return [*self.model_flags(shape), f"--config.model.vocab_size={vocab}"]
         hidden, inter, layers, heads, kv = self.models[size]
         return [f"--config.model.hidden_size={hidden}", f"--config.model.intermediate_size={inter}",
                 f"--config.model.num_hidden_layers={layers}", f"--config.model.num_attention_heads={heads}",
@@ -78,7 +87,7 @@ class Suite:
     # ---- sections -------------------------------------------------------------------------------------
     def throughput(self) -> dict:
         out = {}
-        for size, reps, steps in (("20M", 3, 8), ("100M", 2, 5)):
+        for size, reps, steps in THROUGHPUT:
             runs = {"ours_ws2": [], "hf_ws2": [], "ours_ws2_gloo": [], "ours_ws1": []}
             order = list(runs)
             for rep in range(1 if self.quick else reps):
