@@ -11,18 +11,21 @@ optimizer state per rank, peak resident memory per rank, and tokens/s — each a
 Dense settings run a Llama (hidden 256, 4 layers, 8 heads, 4 kv heads); MoE settings a Mixtral of the same
 width (4 experts, top 2). `sp4` and `cp4` also run at a long sequence, where splitting the sequence pays.
 
-Formulas (per rank and step; f(n) = (n-1)/n; U = bytes FSDP gathers per rank — a tp slice under tensor
-parallelism —, R = the root's part of U, kept gathered from forward to backward; activations B·s·h in fp32
-with B the rank's sequences; L layers):
-  FSDP over n ranks   all-gather (2U - R)·f(n), reduce-scatter U·f(n); HSDP adds an all-reduce 2·(U/n)·f(r)
+Formulas (per rank and step; f(n) = (n-1)/n; U = bytes an FSDP unit gathers per rank — a tp slice under tensor
+parallelism —, R = the root's, kept gathered from forward to backward; activations B·s·h in fp32 with B the
+rank's sequences; L layers):
+  FSDP over n ranks   all-gather (2U - R)·f(n), reduce-scatter U·f(n), summed over the units, each over the
+                      ranks it shards over (experts under ep: fewer); HSDP adds an all-reduce 2·(U/n)·f(r)
   TP over t ranks     all-reduce (7·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
                       down_proj) and, in backward, one per colwise projection reading the layer's input (q, k, v;
                       gate, up: torch's ColwiseParallel reduces each input gradient by itself, where Megatron's 4·L
                       reduces once per block), plus lm_head's input gradient (vocabulary-split lm_head)
   Ulysses SP over u   all-to-all 2·L·B·(s/u)·(2h + 2·kv)·4 B · f(u) (q, k, v and the output, forward and back)
   EP over e ranks     all-to-all 4·L·B·s·k·h·4 B · f(e) (dispatch and combine of k copies of each token, forward
-                      and back; f(e) is the share routed off-rank when routing is uniform)
-Context parallelism's exchange depends on its rotate method (docs/context_parallel.md): measured, no formula.
+                      and back; f(e) is the share routed off-rank when routing is uniform: the measured share
+                      follows the router)
+Context parallelism's exchange of keys and values depends on its rotate method (docs/context_parallel.md): its
+rows count FSDP's formula only.
 """
 from __future__ import annotations
 
@@ -76,10 +79,7 @@ def formula(setting: Setting, counted: dict, shape: dict, seq_len: int) -> dict:
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     rows = GLOBAL_BATCH // counted["dp_size"]
-    unit, root = counted["fsdp_unit_bytes"], counted["fsdp_root_bytes"]
-    shard, replicas = counted["fsdp_shard_size"], counted["fsdp_replicate_size"]
-    expected = {"all_gather": (2 * unit - root) * f(shard), "reduce_scatter": unit * f(shard),
-                "all_reduce": 2 * unit / shard * f(replicas) if replicas > 1 else 0.0, "all_to_all": 0.0}
+    expected = {**counted["fsdp_expected"], "all_to_all": 0.0}
     if sizes["tp"] > 1:
         expected["all_reduce"] += (7 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
     if sizes["sp"] > 1:
@@ -141,7 +141,7 @@ def measure(setting: Setting, shape: dict, moe_dir: str | None, seq_len: int, st
 
 
 def report(rows: list) -> str:
-    base = {r["seq_len"]: r["tokens_per_sec"] for r in rows if r["setting"] in ("fsdp4", "MoE fsdp4")}
+    base = {r["seq_len"]: r["tokens_per_sec"] for r in rows if r["setting"] == "fsdp4"}
     moe_base = next((r["tokens_per_sec"] for r in rows if r["setting"] == "MoE fsdp4"), None)
     lines = []
     for r in rows:
@@ -200,10 +200,14 @@ def main() -> None:
     steps = 2 if args.quick else args.steps
     chosen = [s for s in SETTINGS if not args.only or s.name in args.only.split(",")]
     rows = run_table(chosen, shape, lengths, steps, "cpu")
-    print()
-    print(report(rows))
     out = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_mesh_quick.json" if args.quick else \
         ROOT / "benchmarks" / "results" / "mesh.json"
+    if args.only and out.is_file():  # refresh those settings' rows, keep the others'
+        fresh = {(r["setting"], r["seq_len"]) for r in rows}
+        rows = [r for r in json.loads(out.read_text())["rows"] if (r["setting"], r["seq_len"]) not in fresh] + rows
+        rows.sort(key=lambda r: ([s.name for s in SETTINGS].index(r["setting"]), r["seq_len"]))
+    print()
+    print(report(rows))
     write_json(out, {"machine": machine(), "world_size": WORLD, "global_batch": GLOBAL_BATCH, "shape": shape,
                      "rows": rows})
 

@@ -3,9 +3,8 @@
     python -m torch.distributed.run --nproc_per_node N -m benchmarks.mesh_worker OUT.json cpu|cuda [--config.a.b=v ...]
 
 Trains one warm-up step through the torch backend's own `init` / `train_step`, then counts the bytes this rank
-sends in the next steps (benchmarks/comm_bytes.py) and writes, from rank 0, what the formulas of
-benchmarks/mesh.py need: the bytes FSDP gathers per rank (its units' unsharded sizes: after tensor
-parallelism, a rank's tp slice) and what its root keeps gathered.
+sends in the next steps (benchmarks/comm_bytes.py) and writes, from rank 0, those counts and FSDP's part of the
+formulas of benchmarks/mesh.py, unit by unit (`fsdp_expected`).
 """
 from __future__ import annotations
 
@@ -20,25 +19,26 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.validate import resolve_plan
 
 
-def fsdp_bytes(model) -> tuple:
-    """(bytes every FSDP unit gathers on this rank, of which the root's, the ranks the root shards over and its
-    replicas): unsharded sizes as FSDP holds them —
-    a tensor-parallel weight's tp slice, not the whole weight (a private attribute of torch's FSDP2)."""
+def fsdp_expected(model) -> dict:
+    """Bytes FSDP should send per step on this rank, unit by unit over the ranks each unit shards over (the
+    experts of an expert-parallel model over fewer ranks than the rest): all-gather (2U - R)·f(n), reduce-scatter
+    U·f(n), and for HSDP an all-reduce 2·(U/n)·f(r) — U a unit's unsharded bytes as FSDP holds them (a tensor-
+    parallel weight's tp slice), R the root's, kept gathered from forward to backward (private attributes of
+    torch's FSDP2)."""
     from torch.distributed.fsdp import FSDPModule
 
-    total = root = 0
-    shard = replicate = 1
+    expected = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         if group is None:
             continue
-        size = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
-        total += size
-        root += size if module is model else 0
-        if module is model:
-            shard = group.mesh_info.shard_mesh_size
-            replicate = getattr(group.mesh_info, "replicate_mesh_size", 1)
-    return total, root, shard, replicate
+        unit = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+        n = group.mesh_info.shard_mesh_size
+        replicas = getattr(group.mesh_info, "replicate_mesh_size", 1)
+        expected["all_gather"] += (unit if module is model else 2 * unit) * (n - 1) / n
+        expected["reduce_scatter"] += unit * (n - 1) / n
+        expected["all_reduce"] += 2 * unit / n * (replicas - 1) / replicas
+    return expected
 
 
 def measure(backend_name: str, overrides: list, steps: int = 2) -> dict:
@@ -52,11 +52,10 @@ def measure(backend_name: str, overrides: list, steps: int = 2) -> dict:
     with CommBytes() as counter:
         for step in range(1, steps + 1):
             state, _ = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
-    gathered, root, shard, replicate = fsdp_bytes(state.model)
+    fsdp = fsdp_expected(state.model)
     memory = backend.memory_report(state)
     backend.finalize(state)
-    return {"world_size": where.world_size, "dp_size": where.dp_size, "fsdp_unit_bytes": gathered,
-            "fsdp_root_bytes": root, "fsdp_shard_size": shard, "fsdp_replicate_size": replicate,
+    return {"world_size": where.world_size, "dp_size": where.dp_size, "fsdp_expected": fsdp,
             "state_mb": memory["state_mb"], "grad_mb": memory["grad_mb"],
             "sent_per_step": {kind: sent / steps for kind, sent in counter.sent.items()}}
 

