@@ -1,17 +1,24 @@
-"""On one H200 (or more): `--backend cuda` training of a ~1B Llama in bf16, and context parallelism with
+"""On one H200 (or more): `--backend cuda` training of a smoke-size and a ~1B Llama in bf16, eager, with compiled
+layers and with float8 layers, next to Hugging Face Trainer on the same GPU; then context parallelism with
 cp_impl=torch against cp_impl=portable at a long sequence. Made to finish within 8 minutes.
 
-On the GPU machine (nothing is downloaded there; torch and transformers are assumed, and the two pure-python
-wheels our config needs are shipped in benchmarks/gpu_wheels):
+On the GPU machine (nothing is downloaded there; torch and transformers are assumed, and the wheels our config
+and float8 need are installed from benchmarks/gpu_wheels — ml_collections and absl-py are kept there; torchao's
+wheel, 7 MB of compiled code, is fetched into it where there is a network: `pip download --no-deps
+torchao==0.14.1 -d benchmarks/gpu_wheels`):
 
-    pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py && python -m benchmarks.gpu
+    pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py torchao && python -m benchmarks.gpu
 
-Without a GPU, the same code with a tiny model on `--backend cpu`:  python -m benchmarks.gpu --dry-run-cpu
+Without a GPU, the same code with a tiny model on `--backend cpu` (layers compiled on CPU; the float8 rows
+report the one-line refusal --backend cpu gives):  python -m benchmarks.gpu --dry-run-cpu
 
-1. Training: `python -m portable_fsdp.run --backend cuda --nproc 1`, bf16 parameters and reductions (FSDP2 mixed
-   precision), a few steps; tokens/s and MFU of the median step after the first (our formula,
-   portable_fsdp.metrics.flops_per_token, against ~790 TFLOP/s of dense bf16 on an H200, and against its spec sheet),
-   peak torch.cuda.max_memory_allocated.
+1. Training, `python -m portable_fsdp.run --backend cuda --nproc 1` per row: plan.param_dtype and
+   plan.reduce_dtype bfloat16 (however the product lowers them on one rank), a few steps, for each model (the
+   ~1B first) and each setting — eager, plan.compile, plan.compile + plan.float8 — then Hugging Face Trainer (benchmarks/hf_trainer.py: FSDP2 on one rank, `bf16`,
+   fused AdamW, the same model, data and batch). Tokens/s and MFU of the median step after the first (the first
+   compiles), MFU as the product counts it (portable_fsdp.metrics.flops_per_token against the datasheet's dense
+   bf16 peak, portable_fsdp.hardware; Trainer's rows against the same peak; float8 rows too, as torchtitan
+   counts them), peak torch.cuda.max_memory_allocated.
 2. Context parallelism needs cp_size >= 2 ranks, and NCCL will not put two ranks on one GPU. With >= 2 GPUs:
    full training steps with --nproc 2 --config.plan.cp_size=2 for each setting. With one GPU: in a process of
    its own, a 1-rank process group (so no communication), one decoder layer of the same model at the long
@@ -23,6 +30,7 @@ Without a GPU, the same code with a tiny model on `--backend cpu`:  python -m be
    ep4 — on a machine with 4 or more GPUs (outside the 8-minute budget, which is sized for one GPU); skipped with
    fewer. The dry run checks it with two settings of a tiny model.
 
+Rows run in that order within the budget; a row it cannot fit says "not run: the time budget is spent".
 Results: three tables, and JSON in benchmarks/results/gpu.json.
 """
 from __future__ import annotations
@@ -39,24 +47,31 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, machine, run_cli, run_python, table,
-                               write_json)
+from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, machine, run_cli,
+                               run_python, table, write_json)
 
-INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py"
+INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py torchao"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
-TRAIN_S, CP_RUN_S, ONE_RANK_S = 240, 150, 90  # each sub-run's own limit
-# MFU's denominator on an H200: ~790 TFLOP/s of dense bf16, what large GEMMs sustain there; the datasheet's
-# peak (portable_fsdp.hardware) is also reported. Other GPUs: the run measures a matmul.
-PEAK_BF16 = 7.9e14
+TRAIN_S, HF_S, CP_RUN_S, ONE_RANK_S = 150, 120, 150, 90  # each sub-run's own limit
+# Our rows: plan settings on top of bf16 compute on one rank.
+SETTINGS = [("eager", []), ("compile", ["--config.plan.compile=true"]),
+            ("compile + float8", ["--config.plan.compile=true", "--config.plan.float8=true"])]
+# Models of the training table, largest first (the budget cuts from the end).
+MODELS = {
+    # 22 layers of hidden 2048 (MLP 5632, 16 query / 8 kv heads of 128): ~1.04B parameters.
+    "gpu": [("~1B", dict(hidden=2048, intermediate=5632, layers=22, heads=16, kv_heads=8, seq_len=2048, batch=8,
+                         steps=8)),
+            ("smoke", dict(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, seq_len=256, batch=8, steps=8))],
+    "cpu": [("smoke", dict(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, seq_len=64, batch=2, steps=4))],
+}
 # On one rank the ring ("alltoall") still passes its dK/dV round, to itself: NCCL allows that, gloo (the
 # dry run) does not, so that dry-run row fails.
 CP_SETTINGS = [("torch", "allgather"), ("portable", "allgather"), ("portable", "alltoall")]
+# The context-parallel section's model (the ~1B's layers) and its long sequence.
 SIZES = {
-    # 22 layers of hidden 2048 (MLP 5632, 16 query / 8 kv heads of 128): ~1.04B parameters.
-    "gpu": dict(hidden=2048, intermediate=5632, layers=22, heads=16, kv_heads=8, seq_len=2048, batch=8, steps=10,
-                long_seq=32768, cp_steps=4, repeats=3),
-    "cpu": dict(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, seq_len=64, batch=2, steps=4,
-                long_seq=256, cp_steps=3, repeats=2),
+    "gpu": dict(hidden=2048, intermediate=5632, layers=22, heads=16, kv_heads=8, long_seq=32768, cp_steps=4,
+                repeats=3),
+    "cpu": dict(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, long_seq=256, cp_steps=3, repeats=2),
 }
 
 
@@ -66,16 +81,17 @@ def model_flags(size: dict, layers: int | None = None) -> list:
             f"--config.model.num_hidden_layers={layers or size['layers']}",
             f"--config.model.num_attention_heads={size['heads']}",
             f"--config.model.num_key_value_heads={size['kv_heads']}",
-            f"--config.model.max_position_embeddings={size['long_seq']}"]
+            f"--config.model.max_position_embeddings={size.get('long_seq', size.get('seq_len'))}"]
 
 
-def run_flags(size: dict, backend: str, peak: float, seq_len: int, batch: int, steps: int) -> list:
+def run_flags(size: dict, backend: str, seq_len: int, batch: int, steps: int) -> list:
+    """bf16 compute and reductions on `backend`, as the product lowers them for the world it runs; MFU against
+    the product's peak (the datasheet's on a known GPU)."""
     return ["--backend", backend, *model_flags(size), "--config.plan.param_dtype=bfloat16",
             "--config.plan.reduce_dtype=bfloat16", f"--config.data.seq_len={seq_len}",
             f"--config.train.batch_size={batch}", f"--config.train.eval_batch_size={batch}",
             f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
-            "--config.train.eval_max_batches=1", "--config.train.warmup_steps=1", "--config.train.lr=3e-4",
-            f"--config.train.peak_flops_per_device={peak}"]
+            "--config.train.eval_max_batches=1", "--config.train.warmup_steps=1", "--config.train.lr=3e-4"]
 
 
 class Budget:
@@ -112,19 +128,75 @@ def cell(result: dict, key: str, fmt: str) -> str:
     return fmt.format(result[key]) if key in result else "-"
 
 
-def train(size: dict, backend: str, peak: float, budget: Budget) -> dict:
-    records = run_cli(run_flags(size, backend, peak, size["seq_len"], size["batch"], size["steps"]), nproc=1,
+def train(size: dict, setting: list, backend: str, budget: Budget) -> dict:
+    """One of our rows: `setting`'s plan flags on one rank."""
+    records = run_cli([*run_flags(size, backend, size["seq_len"], size["batch"], size["steps"]), *setting], nproc=1,
                       timeout=budget.timeout(TRAIN_S))
     return steady(records, size["seq_len"] * size["batch"])
 
 
-def cp_ranks(impl: str, method: str, size: dict, backend: str, peak: float, budget: Budget) -> dict:
-    flags = run_flags(size, backend, peak, size["long_seq"], 1, size["cp_steps"])
+def hf_trainer(size: dict, backend: str, budget: Budget) -> dict:
+    """Hugging Face Trainer's row: the same model, data, batch and steps, FSDP2 on one rank in bf16."""
+    from benchmarks.hf_trainer import run_hf_trainer
+
+    result = run_hf_trainer(model_flags(size), size["seq_len"], size["batch"], size["steps"], nproc=1,
+                            timeout=budget.timeout(HF_S), device=backend, bf16=True)
+    tokens_per_sec = result["tokens_per_sec"]
+    return {"step_ms": 1000 * size["seq_len"] * size["batch"] / tokens_per_sec, "tokens_per_sec": tokens_per_sec,
+            "peak_mem_mb": result["peak_mem_mb"], "final_loss": result["final_loss"]}
+
+
+def with_mfu(rows: list, size: dict) -> None:
+    """Trainer's MFU against the peak our rows of the same model used (the run's own rule: the datasheet on a
+    known GPU, a measured matmul on the CPU): peak = FLOPs per token x tokens/s / MFU of one of our rows."""
+    from portable_fsdp.backends.hf_torch.model import describe_model
+    from portable_fsdp.metrics import flops_per_token
+
+    info = describe_model(config_from_flags(model_flags(size)))
+    per_token = flops_per_token(info.n_params, info.n_layers, info.hidden_size, size["seq_len"],
+                                info.n_embedding_params)
+    ours = next((r for r in rows if r.get("mfu") and r["setting"] != "HF Trainer"), None)
+    for row in rows:
+        if ours and row["setting"] == "HF Trainer" and "tokens_per_sec" in row:
+            row["mfu"] = row["tokens_per_sec"] / ours["tokens_per_sec"] * ours["mfu"]
+        row.update(n_params=info.n_params, flops_per_token=per_token)
+
+
+def training_rows(label: str, size: dict, backend: str, budget: Budget) -> list:
+    rows = []
+    for name, setting in SETTINGS:
+        rows.append({"model": label, "setting": name, **attempt(train, size, setting, backend, budget)})
+        print(f"training: {rows[-1]}", flush=True)
+    rows.append({"model": label, "setting": "HF Trainer", **attempt(hf_trainer, size, backend, budget)})
+    with_mfu(rows, size)
+    print(f"training: {rows[-1]}", flush=True)
+    return rows
+
+
+def parameters(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.0f}K"
+
+
+def training_table(rows: list) -> str:
+    trainer = {r["model"]: r.get("tokens_per_sec") for r in rows if r["setting"] == "HF Trainer"}
+
+    def versus(row):
+        base = trainer.get(row["model"])
+        return f"{row['tokens_per_sec'] / base:.2f}x" if base and "tokens_per_sec" in row else "-"
+
+    return table(["model", "setting", "step (ms, median)", "tokens/s", "MFU", "peak MB", "vs HF Trainer", "error"],
+                 [[f"{r['model']} ({parameters(r['n_params'])})", r["setting"], cell(r, "step_ms", "{:.0f}"),
+                   cell(r, "tokens_per_sec", "{:,.0f}"), cell(r, "mfu", "{:.1%}"), cell(r, "peak_mem_mb", "{:.0f}"),
+                   versus(r), r.get("error", "")] for r in rows])
+
+
+def cp_ranks(impl: str, method: str, size: dict, backend: str, budget: Budget) -> dict:
+    flags = run_flags(size, backend, size["long_seq"], 1, size["cp_steps"])
     flags += ["--config.plan.cp_size=2", f"--config.plan.cp_impl={impl}", f"--config.plan.cp_rotate_method={method}"]
     return steady(run_cli(flags, nproc=2, timeout=budget.timeout(CP_RUN_S)), size["long_seq"])
 
 
-def cp_one_rank(impl: str, method: str, size: dict, backend: str, peak: float, budget: Budget) -> dict:
+def cp_one_rank(impl: str, method: str, size: dict, backend: str, budget: Budget) -> dict:
     """In a child process, so that an out-of-memory or a hang costs one row and the timeout can end it."""
     dry = ["--dry-run-cpu"] if backend == "cpu" else []
     proc = run_python(["-m", "benchmarks.gpu", "--one-rank-cp", f"{impl},{method}", *dry], budget.timeout(ONE_RANK_S))
@@ -220,41 +292,32 @@ def main() -> None:
             sys.exit(err.line())
         return
 
-    from portable_fsdp.backends.hf_torch.model import describe_model
     from portable_fsdp.hardware import datasheet_flops
 
     budget = Budget(BUDGET_S)
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else None
-    spec = (datasheet_flops(gpu, "bfloat16") or 0.0) if gpu and "H200" in gpu else 0.0
-    peak = PEAK_BF16 if spec else 0.0
-    n_params = describe_model(config_from_flags(model_flags(size))).n_params
+    spec = datasheet_flops(gpu, "bfloat16") if gpu else None
     # A GPU machine runs the mode its GPU count allows; the dry run checks both.
     modes = ["ranks", "one-rank"] if args.dry_run_cpu else ["ranks" if torch.cuda.device_count() >= 2 else "one-rank"]
     what = {"ranks": f"full training steps, --nproc 2 cp_size=2, {size['layers']} layers",
             "one-rank": "a 1-rank process group, no communication: fwd+bwd of one decoder layer"}
-    print(f"{gpu or 'CPU (dry run)'}, torch {torch.__version__}; model {n_params:,} parameters; peak "
-          f"{f'{peak:.3g} FLOP/s (spec sheet {spec:.3g})' if peak else 'measured by the run (a matmul)'}", flush=True)
+    peak = f"{spec / 1e12:.0f} TFLOP/s (datasheet, dense bf16)" if spec else "the peak each run takes (a measured matmul)"
+    print(f"{gpu or 'CPU (dry run)'}, torch {torch.__version__}; MFU against {peak}", flush=True)
     print("context parallelism mode: " + "; ".join(f"{m} ({what[m]})" for m in modes), flush=True)
 
-    training = attempt(train, size, backend, peak, budget)
-    print(f"training: {training}", flush=True)
+    training = [row for label, model in MODELS[backend] for row in training_rows(label, model, backend, budget)]
     cp_results = []
     for mode in modes:
         measure = cp_ranks if mode == "ranks" else cp_one_rank
         for impl, method in CP_SETTINGS:
             result = {"mode": mode, "setting": f"{impl} {method}",
-                      **attempt(measure, impl, method, size, backend, peak, budget)}
+                      **attempt(measure, impl, method, size, backend, budget)}
             print(f"context parallel: {result}", flush=True)
             cp_results.append(result)
 
-    print(f"\nTraining: {n_params:,} parameters, seq {size['seq_len']} x batch {size['batch']}, bf16, 1 rank")
-    if spec and "mfu" in training:
-        training["mfu_vs_spec_sheet"] = training["mfu"] * peak / spec
-    print(table(["step (ms, median)", "tokens/s", f"MFU (vs {peak / 1e12:.0f} TFLOP/s)" if peak else "MFU",
-                 "MFU vs spec sheet", "peak MB", "error"],
-                [[cell(training, "step_ms", "{:.0f}"), cell(training, "tokens_per_sec", "{:,.0f}"),
-                  cell(training, "mfu", "{:.1%}"), cell(training, "mfu_vs_spec_sheet", "{:.1%}"),
-                  cell(training, "peak_mem_mb", "{:.0f}"), training.get("error", "")]]))
+    print("\nTraining on one " + ("GPU" if gpu else "CPU process") + ": bf16, one rank; tokens/s and MFU of the "
+          "median step after the first; float8 rows' MFU counts the same model FLOPs against the bf16 peak")
+    print(training_table(training))
     for mode in modes:
         print(f"\nContext parallelism at seq {size['long_seq']}, mode {mode}: {what[mode]}")
         print(table(["setting", "ms (median)", "peak MB per rank", "error"],
@@ -266,8 +329,8 @@ def main() -> None:
            else ROOT / "benchmarks" / "results" / "gpu.json")
     write_json(out, {"machine": {**machine(), "gpu": gpu, "gpu_count": torch.cuda.device_count(),
                                  "cuda": torch.version.cuda},
-                     "dry_run_cpu": args.dry_run_cpu, "sizes": size, "n_params": n_params,
-                     "peak_flops_per_device": peak or "measured by the run", "spec_sheet_bf16": spec or None, "training": training,
+                     "dry_run_cpu": args.dry_run_cpu, "models": dict(MODELS[backend]), "cp_size": size,
+                     "spec_sheet_bf16": spec, "training": training,
                      "context_parallel": {"what": {m: what[m] for m in modes}, "results": cp_results},
                      "mesh": mesh_rows})
     print(f"\nwrote {out}")

@@ -1,10 +1,12 @@
-"""The Hugging Face side of a throughput comparison: `Trainer` + Accelerate with FSDP2, on CPU (gloo).
+"""The Hugging Face side of a throughput comparison: `Trainer` + Accelerate with FSDP2, on CPU (gloo) or on
+CUDA GPUs (NCCL; `device="cuda"`, what benchmarks/gpu.py runs).
 
     python -m benchmarks.hf_trainer      # a tiny smoke comparison with our CLI
 
 `run_hf_trainer(model_overrides, seq_len, global_batch, steps, ...)` trains the Llama our config builds (the
 same `--config.model.*=...` overrides our CLI takes, the same seed) on our bundled corpus, with our AdamW
-hyper-parameters and schedule in fp32, under `torchrun`, and returns the step times and tokens/s. The work per
+hyper-parameters and schedule in fp32 (or, with `bf16=True`, Trainer's `bf16`: FSDP2 mixed precision with
+bfloat16 parameters, reductions and outputs), under `torchrun`, and returns the step times and tokens/s. The work per
 step is the same as ours; the losses are close, not equal: Trainer's warm-up starts at 0 (one step behind ours)
 and it draws batches with its own seeded sampler.
 
@@ -26,16 +28,18 @@ from benchmarks.common import parse_benchmark_args, TINY_MODEL, config_from_flag
 
 
 def run_hf_trainer(model_overrides: list[str], seq_len: int, global_batch: int, steps: int, nproc: int = 2,
-                   timeout: int = 1200) -> dict:
-    """Train `steps` optimizer steps on `nproc` ranks; returns the rank-0 result plus tokens_per_sec
-    (median step after the first, which pays for warm-up)."""
+                   timeout: int = 1200, device: str = "cpu", bf16: bool = False) -> dict:
+    """Train `steps` optimizer steps on `nproc` ranks of `device` (cpu or cuda); returns the rank-0 result plus
+    tokens_per_sec (median step after the first, which pays for warm-up) and peak_mem_mb (rank 0's
+    max_memory_allocated on cuda, peak resident set on cpu)."""
     if global_batch % nproc:
         raise ValueError(f"global_batch {global_batch} must split evenly over {nproc} ranks")
     _config(model_overrides, seq_len, global_batch, steps)  # a bad override fails here, once, not on every rank
     threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory() as workdir:
         spec = {"model_overrides": model_overrides, "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
-                "output_dir": workdir, "result": str(pathlib.Path(workdir) / "result.json")}
+                "output_dir": workdir, "result": str(pathlib.Path(workdir) / "result.json"), "device": device,
+                "bf16": bf16}
         # USE_TORCH_XLA=0 (set by torchrun()): with torch_xla installed Accelerate would otherwise not use gloo.
         torchrun(nproc, ["benchmarks.hf_trainer", "--worker", json.dumps(spec)], timeout,
                  env={"OMP_NUM_THREADS": str(threads)})
@@ -51,6 +55,8 @@ def _config(model_overrides: list[str], seq_len: int, global_batch: int, steps: 
 
 
 def _worker(spec: dict) -> None:
+    import resource
+
     import torch
     import torch.distributed as dist
     from accelerate import PartialState
@@ -65,10 +71,11 @@ def _worker(spec: dict) -> None:
     class FSDP2Trainer(Trainer):
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
-            # Accelerate dropped Trainer's FSDP plugin (CPU is not a backend it shards on). The FSDP branch it
+            # On CPU, Accelerate dropped Trainer's FSDP plugin (CPU is not a backend it shards on). The FSDP branch it
             # skipped only stores the plugin (and sets its mixed precision: none here) and the type, also into
             # PartialState, which every later `AcceleratorState()` copies back; doing that now gives the state
-            # a GPU run has, and `_prepare_fsdp2` then applies activation checkpointing and fully_shard.
+            # a GPU run has, and `_prepare_fsdp2` then applies activation checkpointing and fully_shard. On a GPU
+            # the state is already this; the final check below tells either way.
             self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
             self.accelerator.state.distributed_type = DistributedType.FSDP
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -79,20 +86,27 @@ def _worker(spec: dict) -> None:
             self.last_loss = super().training_step(model, inputs, num_items_in_batch)
             return self.last_loss
 
+    cuda = spec.get("device", "cpu") == "cuda"
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
+
     class StepTimer(TrainerCallback):
-        """Wall clock of each optimizer step: forward, backward, clipping, update (the batch is already fetched)."""
+        """Wall clock of each optimizer step: forward, backward, clipping, update (the batch is already fetched;
+        on a GPU, the queued kernels are waited for at both ends)."""
 
         def __init__(self):
             self.seconds = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            wait()
             self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            wait()
             self.seconds.append(time.perf_counter() - self.began)
 
     # As our CPU backend does: share the cores between the local ranks.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     config = _config(spec["model_overrides"], spec["seq_len"], spec["global_batch"], spec["steps"])
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     model = create_model(config, rank, rank0_only=False)
@@ -104,7 +118,9 @@ def _worker(spec: dict) -> None:
     args = TrainingArguments(
         output_dir=spec["output_dir"], max_steps=t.steps, per_device_train_batch_size=t.batch_size // world,
         learning_rate=t.lr, adam_beta1=t.beta1, adam_beta2=t.beta2, adam_epsilon=t.eps, weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_steps, max_grad_norm=t.max_grad_norm, optim="adamw_torch",
+        warmup_steps=t.warmup_steps, max_grad_norm=t.max_grad_norm,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",  # AdamW's kernels as ours (fused on cuda)
+        bf16=bool(spec.get("bf16")),
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio},
         # = fsdp="full_shard auto_wrap" without its deprecation warning (transformers 5.24)
         fsdp=True,
@@ -112,7 +128,7 @@ def _worker(spec: dict) -> None:
                      "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                      "reshard_after_forward": config.plan.reshard_after_forward,
                      "activation_checkpointing": config.plan.activation_checkpointing},
-        use_cpu=True, seed=config.seed, report_to="none", save_strategy="no", eval_strategy="no",
+        use_cpu=not cuda, seed=config.seed, report_to="none", save_strategy="no", eval_strategy="no",
         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False)  # else the collator drops `shift_labels` (not a named forward argument)
     timer = StepTimer()
@@ -121,12 +137,14 @@ def _worker(spec: dict) -> None:
     wrapped = trainer.model_wrapped
     if not isinstance(wrapped, FSDPModule) or not all(isinstance(p, DTensor) for p in wrapped.parameters()):
         raise RuntimeError(f"Trainer trained a {type(wrapped).__name__}, not an FSDP2-sharded model")
+    peak_mb = (torch.cuda.max_memory_allocated() if cuda
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
     loss = trainer.last_loss.detach().double()
     dist.all_reduce(loss)  # the ranks' shares average to the global per-token loss
     if rank == 0:
         pathlib.Path(spec["result"]).write_text(json.dumps({
             "step_seconds": timer.seconds, "tokens_per_step": t.batch_size * config.data.seq_len,
-            "final_loss": loss.item() / world}))
+            "final_loss": loss.item() / world, "peak_mem_mb": peak_mb}))
 
 
 def _smoke() -> None:

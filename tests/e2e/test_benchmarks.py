@@ -83,3 +83,28 @@ def test_quick_mesh_table_counts_fsdp_bytes_as_its_formula():
                 assert sent.get(kind, 0) == pytest.approx(expected[kind], rel=1e-3), (row["setting"], kind)
         if row["setting"] == "hsdp 2x2":
             assert sent["all_reduce"] == pytest.approx(expected["all_reduce"], rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_gpu_benchmark_dry_run_trains_each_setting_next_to_hf_trainer():
+    """benchmarks/gpu.py on CPU with the smoke model: eager and compiled rows and Trainer's measured, the float8
+    rows refused with --backend cpu's one line, the context-parallel and mesh sections still there."""
+    import pathlib
+    import tempfile
+
+    out = pathlib.Path(tempfile.gettempdir()) / "portable_fsdp_gpu_dry_run.json"
+    out.unlink(missing_ok=True)
+    proc = run_python(["-m", "benchmarks.gpu", "--dry-run-cpu"], timeout=1400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    rows = {row["setting"]: row for row in results["training"]}
+    assert list(rows) == ["eager", "compile", "compile + float8", "HF Trainer"]
+    for name in ("eager", "compile", "HF Trainer"):
+        row = rows[name]
+        assert "error" not in row, row
+        assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1 and row["peak_mem_mb"] > 0, row
+    assert rows["compile + float8"]["error"].startswith("error: plan.float8: float8 matmuls need an NVIDIA GPU")
+    assert {r["mode"] for r in results["context_parallel"]["results"]} == {"ranks", "one-rank"}
+    assert len(results["mesh"]) >= 2
+    assert "| HF Trainer" in proc.stdout and "vs HF Trainer" in proc.stdout
