@@ -160,18 +160,20 @@ def create_model(config, rank: int, rank0_only: bool):
 
 @dataclasses.dataclass
 class OnMeta:
-    """A model built on the meta device and how to fill it: its parameters' init, replayable one parameter at
-    a time (deferred_init.replay from `seed`), and its computed buffers."""
+    """A model built on the meta device, how to fill it and its computed buffers. `fill(deliver)` calls
+    `deliver(names, full)` once per parameter, in turn, with its full fp32 value (the tied names together)."""
 
     model: torch.nn.Module
-    recording: deferred_init.Recording
-    seed: int
+    fill: object
     buffers: dict
 
 
 def create_on_meta(config) -> OnMeta | None:
-    """The random init of `create_model` with no parameter allocated, or None when the model's init does
-    something the replay cannot reproduce bit for bit (one line says so; the caller builds it whole)."""
+    """The model of `create_model` with no parameter allocated: the seeded random init, replayed one parameter
+    at a time, or the weights of a local directory of safetensors files, read one tensor at a time. None when
+    that cannot give `create_model`'s values bit for bit (an init the replay cannot reproduce: one line says
+    so; a checkpoint whose names are not the model's, which from_pretrained converts): the caller builds the
+    model whole."""
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(config.model)
@@ -179,13 +181,51 @@ def create_on_meta(config) -> OnMeta | None:
     def build():
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
+    if config.model.init_from:
+        with torch.device("meta"):
+            model = build()
+        fill = _safetensors_fill(model, pathlib.Path(config.model.init_from))
+        return OnMeta(model, fill, deferred_init.computed_buffers(build)) if fill else None
     try:
         model, recording = deferred_init.build_on_meta(build)
     except deferred_init.Unsupported as why:
         warnings.warn(f"every rank builds the whole model before sharding it: its init cannot be replayed "
                       f"shard by shard ({why})", stacklevel=2)
         return None
-    return OnMeta(model, recording, config.seed, deferred_init.computed_buffers(build))
+    return OnMeta(model, lambda deliver: deferred_init.replay(recording, config.seed, deliver),
+                  deferred_init.computed_buffers(build))
+
+
+def _safetensors_fill(model, directory: pathlib.Path):
+    """A `fill` reading each parameter from the directory's safetensors files when their tensor names are
+    exactly the model's parameters (a tied copy may be left out), else None."""
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = {name: group for group in names.values() for name in group}
+    stored = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            stored.update(f.keys())
+    if not stored <= set(tied) or any(not stored & set(group) for group in names.values()):
+        return None
+
+    def fill(deliver):
+        delivered = set()
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    group = tied[key]
+                    if group[0] not in delivered:
+                        delivered.add(group[0])
+                        deliver(group, f.get_tensor(key).to(torch.float32))
+
+    return fill
 
 
 def freeze_parameters(model, patterns: list) -> None:

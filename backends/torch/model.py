@@ -1,6 +1,6 @@
 """Filling a model built on the meta device once FSDP has sharded it: from rank 0's weights
 (hf_torch.model.create_model with `rank0_only`: `cpu_ram_efficient_loading`), or each rank its own shards of the
-seeded random init (hf_torch.model.create_on_meta)."""
+seeded random init or of a directory's safetensors files (hf_torch.model.create_on_meta)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from portable_fsdp.backends.hf_torch.deferred_init import replay
 
 
 def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
@@ -29,8 +28,9 @@ def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
 
 def materialize_shards(model, on_meta, device: torch.device) -> None:
     """After parallelizing a model built on the meta device (hf_torch.model.create_on_meta): allocate this
-    rank's shards on `device` and fill them with the seeded init, one full parameter at a time on the CPU, of
-    which each rank keeps its own slice; then the computed buffers. No rank ever holds the whole model."""
+    rank's shards on `device` and fill them, one full parameter at a time on the CPU (the seeded init replayed,
+    or read from the files), each rank keeping its own slice; then the computed buffers. No rank ever holds the
+    whole model."""
     model.to_empty(device=device)
     params = {_unwrapped_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -38,7 +38,7 @@ def materialize_shards(model, on_meta, device: torch.device) -> None:
         for name in names:
             _fill(params[name], full)
 
-    replay(on_meta.recording, on_meta.seed, deliver)
+    on_meta.fill(deliver)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(on_meta.buffers[_unwrapped_name(name)])

@@ -93,9 +93,9 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if meshes.sp is not None:
         sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
     rank0_only = plan.cpu_ram_efficient_loading
-    # A sharded random init: every rank builds the model on the meta device and fills only its own shards.
+    # Sharded: every rank builds the model on the meta device and fills only its own shards.
     on_meta = None
-    if not rank0_only and not config.model.init_from and shards(plan, meshes, runtime.device.type):
+    if not rank0_only and shards(plan, meshes, runtime.device.type):
         on_meta = model_lib.create_on_meta(config)
     model = on_meta.model if on_meta else model_lib.create_model(config, runtime.rank, rank0_only)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None

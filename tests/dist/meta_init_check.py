@@ -34,6 +34,7 @@ CASES = {
     "llama_100m": LLAMA_100M,
 }
 MOE_CONFIG = "moe_config"  # a case whose name starts so reads model.config_from from the environment
+# (as "pretrained" cases read model.init_from)
 
 whole_builds = []
 _create_model = model_lib.create_model
@@ -48,6 +49,8 @@ model_lib.create_model = counting_create_model
 
 
 def overrides_for(name: str) -> dict:
+    if name.startswith("pretrained"):  # pretrained / pretrained_tp2: a tied model saved in PRETRAINED
+        return {"model.init_from": os.environ["PRETRAINED"], **({"plan.tp_size": "2"} if name.endswith("tp2") else {})}
     if name.startswith(MOE_CONFIG):  # moe_config / moe_config_ep2
         ep = {"plan.ep_size": "2"} if name.endswith("ep2") else {}
         return {"model.config_from": os.environ["MOE_CONFIG"], **ep}
@@ -70,8 +73,9 @@ def bits(name: str) -> dict:
     expected = reference.state_dict()
     differing = sorted(n for n in expected if n in full and not torch.equal(full[n].cpu(), expected[n]))
     differing += sorted(n for n, b in reference.named_buffers() if not torch.equal(buffers[n].cpu(), b))
+    reference_tied = reference.get_input_embeddings().weight is reference.get_output_embeddings().weight
     return {"built_whole": built_whole, "missing": sorted(set(expected) - set(full)), "differing": differing,
-            "compared": len(expected), "tied": tied, "reference_tied": config.model.tie_word_embeddings}
+            "compared": len(expected), "tied": tied, "reference_tied": reference_tied}
 
 
 def memory(name: str) -> dict:
