@@ -157,28 +157,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads = _Gradients.like(hidden, weight, bias)
         sums = _chunk_loop(hidden, weight, bias, labels, chunk, grads)
         ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return sums
 
     @staticmethod
     def backward(ctx, grad_sums):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        # Each row-part's tokens scale by its incoming gradient. The weight's and bias's gradients were summed
-        # over every row-part: exact for the one use of the output, its plain sum (loss_from), where the
-        # incoming gradient is the same everywhere.
-        scale = grad_sums.to(grad_hidden.dtype)[:, :, None, None]
-        grad_hidden = grad_hidden * scale if ctx.needs_input_grad[0] else None
+        # Each row-part's tokens scale by its incoming gradient (in place: the buffers are this node's alone). The
+        # weight's and bias's gradients were summed over every row-part: exact for the one use of the output,
+        # its plain sum (loss_from), where the incoming gradient is the same everywhere.
+        wanted = ctx.needs_input_grad
+        grad_hidden = grad_hidden.mul_(grad_sums.to(grad_hidden.dtype)[:, :, None, None]) if wanted[0] else None
         uniform = grad_sums.mean()
-        grad_weight = (grad_weight * uniform).to(weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = (grad_bias * uniform).to(bias_dtype) if grad_bias is not None and ctx.needs_input_grad[2] else None
+        grad_weight = grad_weight.mul_(uniform.to(grad_weight.dtype)) if wanted[1] else None
+        grad_bias = grad_bias.mul_(uniform.to(grad_bias.dtype)) if grad_bias is not None and wanted[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
 @dataclasses.dataclass
 class _Gradients:
-    """What the chunk loop fills: the hidden states' gradient in their dtype, the weight's and bias's in float32
-    (summed over chunks)."""
+    """What the chunk loop fills, each in its tensor's dtype (what autograd would make in backward, so nothing
+    held from forward to backward outweighs what an unchunked backward allocates; the weight's summed over chunks
+    in place, as Liger's kernel does)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -186,8 +185,8 @@ class _Gradients:
 
     @classmethod
     def like(cls, hidden, weight, bias):
-        return cls(torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32),
-                   torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None)
+        return cls(torch.empty_like(hidden), torch.zeros_like(weight),
+                   torch.zeros_like(bias) if bias is not None else None)
 
 
 def _chunk_loop(hidden, weight, bias, labels, chunk: int, grads: _Gradients | None) -> torch.Tensor:
@@ -216,12 +215,12 @@ def _add_chunk_gradients(grads: _Gradients, logits, lse, safe, valid, h, weight,
     grad_logits = probs.mul_(valid.unsqueeze(-1)).to(h.dtype)
     grads.hidden[:, :, start:start + h.shape[2]] = grad_logits @ weight
     flat_grad, flat_hidden = grad_logits.reshape(-1, grad_logits.shape[-1]), h.reshape(-1, h.shape[-1])
-    if grad_logits.dtype == torch.float32 and not _autocast(h.device.type):
+    if grad_logits.dtype == grads.weight.dtype and not _autocast(h.device.type):
         grads.weight.addmm_(flat_grad.t(), flat_hidden)  # in place: no weight-sized temporary
-    else:  # in the compute dtype (autocast's or the parameters'), summed over chunks in float32
+    else:  # autocast's product in its compute dtype, summed in the weight's
         grads.weight += flat_grad.t() @ flat_hidden
     if grads.bias is not None:
-        grads.bias += flat_grad.float().sum(dim=0)
+        grads.bias += flat_grad.sum(dim=0)
 
 
 def _autocast(device_type: str) -> bool:
