@@ -5,7 +5,8 @@ rank 0's findings to JSON.
     python -m torch.distributed.run --standalone --nproc_per_node W tests/dist/fast_path_check.py OUT.json \
         VARIANT[:STEPS]...
 
-(STEPS: training steps after init, 0 to look at the lowering only.)
+(STEPS: training steps after init, 0 to look at the lowering only.) A float8 variant then saves a FULL checkpoint
+in OUT.json's directory, under the variant's name.
 
 The backend is driven directly, past the capability table: float8 is refused on --backend cpu (its matmuls are
 emulated there, slower than float32), but torchao 0.14.1's emulation computes what a GPU computes, so the
@@ -18,6 +19,7 @@ import sys
 
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from portable_fsdp import backends
 from portable_fsdp.backends.torch.compile import compiled
@@ -33,6 +35,8 @@ VARIANTS = {
     "compile_12_layers": {"plan.compile": "true", "model.num_hidden_layers": "12"},
     "eager_12_layers": {"model.num_hidden_layers": "12"},
     "float8": {"plan.float8": "true"},
+    # the float8 layers swapped in on the meta device of ranks > 0, then filled from rank 0
+    "float8_rank0_loading": {"plan.float8": "true", "plan.cpu_ram_efficient_loading": "true"},
     "compile_float8": {"plan.compile": "true", "plan.float8": "true"},
 }
 
@@ -51,7 +55,12 @@ def structure(model) -> dict:
             "parameter_names": [name(n) for n, _ in model.named_parameters()]}
 
 
-def run_variant(name: str, steps: int, backend) -> dict:
+def full(tensor):
+    """A parameter's whole value on every rank (a collective for an FSDP shard)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def run_variant(name: str, steps: int, backend, directory: pathlib.Path) -> dict:
     config = make_config(VARIANTS[name])
     plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
     state = backend.init(config, plan, "cpu")
@@ -63,6 +72,14 @@ def run_variant(name: str, steps: int, backend) -> dict:
     for step in range(steps):
         state, metrics = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
         losses.append(metrics["loss"])
+    if "float8" in name:
+        found["weight_sums"] = {key: full(value).double().sum().item() for key, value in
+                                state.model.named_parameters() if key in ("model.layers.0.self_attn.q_proj.weight",
+                                                                          "model.layers.1.mlp.down_proj.weight")}
+        if dist.get_rank() == 0:
+            (directory / name).mkdir()
+        dist.barrier()
+        backend.save_checkpoint(state, directory / name)
     return {"losses": losses, **found}
 
 
@@ -71,7 +88,7 @@ def main(out: str, *variants: str) -> None:
     results = {}
     for variant in variants:
         name, _, steps = variant.partition(":")
-        results[name] = run_variant(name, int(steps or 0), backend)
+        results[name] = run_variant(name, int(steps or 0), backend, pathlib.Path(out).parent)
         dist.barrier()
     if dist.get_rank() == 0:
         pathlib.Path(out).write_text(json.dumps(results))

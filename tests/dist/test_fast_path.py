@@ -4,7 +4,8 @@ Default suite: which Linear layers become float8 (not the lm_head, only dims div
 start-up errors (torchao missing or built for another torch, a GPU without float8), and — through
 `backends.torch.init` on 2 gloo ranks — that every transformer layer (its checkpoint wrapper when checkpointed)
 is compiled in place and sharded by FSDP under its own name, and the float8 layers under FSDP train within
-float8's rounding of float32 (torchao's CPU emulation computes what a GPU computes). Slow: 20 compiled steps
+float8's rounding of float32 (torchao's CPU emulation computes what a GPU computes), the same with rank-0
+loading, and write a FULL checkpoint that from_pretrained reads as a plain model with the trained weights. Slow: 20 compiled steps
 against one eager process (1e-5), with activation checkpointing, and at 12 layers (more than dynamo's limit of
 8 recompilations); compiled float8 against eager float8.
 On a GPU: tests/e2e/test_gpu.py."""
@@ -115,7 +116,7 @@ def test_float8_on_a_gpu_without_float8_tensor_cores_is_refused_at_start_up(monk
 # ---------------------------------------------------------------- through the backend, on 2 gloo ranks
 
 def test_layers_are_compiled_in_place_and_float8_trains_under_fsdp(tmp_path):
-    results = run_check(tmp_path, "eager:3", "float8:3", "compile_checkpointing:0")
+    results = run_check(tmp_path, "eager:3", "float8:3", "float8_rank0_loading:3", "compile_checkpointing:0")
     layers = ["model.layers.0", "model.layers.1"]
     eager, float8, compiled = results["eager"], results["float8"], results["compile_checkpointing"]
     # compiled in place: each layer's checkpoint wrapper, which is the FSDP unit (fully_shard prefixes its class)
@@ -129,6 +130,16 @@ def test_layers_are_compiled_in_place_and_float8_trains_under_fsdp(tmp_path):
     # float8 rounds every product (e4m3: 3 mantissa bits): close to float32, and not equal to it
     difference = max_relative_difference(float8["losses"], eager["losses"])
     assert 1e-6 < difference < 5e-3, (float8["losses"], eager["losses"])
+    # swapped on the meta device of rank 1 and filled from rank 0: the same run
+    assert results["float8_rank0_loading"]["losses"] == float8["losses"]
+    # a FULL checkpoint of float8 layers is a plain transformers model's, as from_pretrained reads it
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float8")
+    assert [n for n, _ in loaded.named_parameters()] == eager["parameter_names"]
+    weights = dict(loaded.named_parameters())
+    for name, total in float8["weight_sums"].items():  # the trained weights, not the initial ones
+        assert weights[name].double().sum().item() == pytest.approx(total, rel=1e-6), name
 
 
 @pytest.mark.slow
