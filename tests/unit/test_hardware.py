@@ -27,6 +27,8 @@ class Timer:
     ("NVIDIA H100 PCIe", "bfloat16", 756 * T),
     ("NVIDIA H100 NVL", "float32", 60 * T),
     ("NVIDIA H200", "bfloat16", 989 * T),
+    ("NVIDIA H200", "float32", 67 * T),
+    ("NVIDIA H200 NVL", "bfloat16", 835 * T),
     ("NVIDIA B200", "bfloat16", 2250 * T),
     ("NVIDIA L4", "bfloat16", 121 * T),
     ("NVIDIA A10G", "bfloat16", 70 * T),
