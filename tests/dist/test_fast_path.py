@@ -7,7 +7,7 @@ is compiled in place and sharded by FSDP under its own name, and the float8 laye
 float8's rounding of float32 (torchao's CPU emulation computes what a GPU computes), the same with rank-0
 loading, and write a FULL checkpoint that from_pretrained reads as a plain model with the trained weights. Slow: 20 compiled steps
 against one eager process (1e-5), with activation checkpointing, and at 12 layers (more than dynamo's limit of
-8 recompilations); compiled float8 against eager float8.
+8 recompilations); compiled float8 against eager float8; one rank in bf16, as the GPU benchmark runs its rows.
 On a GPU: tests/e2e/test_gpu.py."""
 import json
 import os
@@ -164,3 +164,15 @@ def test_compiled_float8_layers_train_like_eager_float8(tmp_path):
     assert len(results["compile_float8"]["compiled"]) == 2
     # inductor fuses the casts and the scale computations: float8's rounding may land differently
     assert max_relative_difference(results["compile_float8"]["losses"], results["float8"]["losses"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_one_rank_trains_the_benchmarks_bf16_settings(tmp_path):
+    """One rank, as benchmarks/gpu.py runs each row (the plain module under bf16 autocast): compiled layers and
+    float8 layers against the eager bf16 run."""
+    results = run_check(tmp_path, "bf16:5", "compile_bf16:5", "float8_bf16:5", world=1)
+    bf16 = results["bf16"]["losses"]
+    assert results["compile_bf16"]["compiled"] == ["model.layers.0", "model.layers.1"]
+    assert max_relative_difference(results["compile_bf16"]["losses"], bf16) <= 2.0**-8  # one bf16 rounding
+    assert len(results["float8_bf16"]["float8"]) == 2 * len(LAYER_LINEARS)
+    assert 0 < max_relative_difference(results["float8_bf16"]["losses"], bf16) < 5e-3
