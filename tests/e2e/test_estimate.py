@@ -48,8 +48,9 @@ def test_tiny_llama_per_rank_numbers_at_world_1_2_4():
         assert rank["micro_batch_rows"] == 4 // n
     rank0, rank1 = reports[2].result["ranks"]
     assert {**rank0, "rank": 1, "seconds": 0} == {**rank1, "seconds": 0}  # the two ranks hold the same
-    activations = [reports[n].result["ranks"][0]["at_peak"]["activations"] for n in (1, 2, 4)]
-    assert activations[0] > 1.9 * activations[1] > 3.6 * activations[2]  # rows per rank: 4, 2, 1
+    # the most activations held during the step, per rank: rows per rank 4, 2, 1
+    activations = [reports[n].result["ranks"][0]["largest"]["activations"] for n in (1, 2, 4)]
+    assert activations[0] > 1.8 * activations[1] and activations[1] > 1.8 * activations[2]
     assert reports[1].peak > reports[2].peak > reports[4].peak
     # xla: the same shards (float32, SPMD partition specs), activations traced from the same model
     device = xla.result["ranks"][0]
