@@ -16,8 +16,8 @@ def test_activation_checkpointing_rematerializes_each_layer():
         jaxpr = jax.make_jaxpr(state.ctx.programs.train)(state.params, state.opt_state, rows, rows, rows, 1.0, 1e-3)
         return len(re.findall(r"\bremat\w*\[|\bcheckpoint\[", str(jaxpr)))  # jax.checkpoint's primitive
 
-    assert rematerialized_regions({"plan.activation_checkpointing": True}) == 2  # one per decoder layer
-    assert rematerialized_regions({}) == 0
+    # one per decoder layer, on top of what the step rematerializes anyway (the chunked loss's projection)
+    assert rematerialized_regions({"plan.activation_checkpointing": True}) - rematerialized_regions({}) == 2
 
 
 @needs_devices(2)
