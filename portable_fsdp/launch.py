@@ -4,6 +4,7 @@ num_machines — joining the other machines' launchers in one rendezvous. Valida
 worker starts, so a bad config costs seconds and prints one line."""
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import socket
@@ -11,7 +12,7 @@ import sys
 import uuid
 import warnings
 
-from portable_fsdp import backends, checkpointing, worker
+from portable_fsdp import backends, checkpointing, worker, workdir_lock
 from portable_fsdp.accelerate_launch import LaunchSettings
 from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
@@ -23,9 +24,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None):
+def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None,
+              claim: workdir_lock.Claim | None = None):
     """Every check that can be made without starting a worker. `device`: the device type the run uses, when
-    it is not the backend's name (xla: the PJRT device; flax: the JAX platform)."""
+    it is not the backend's name (xla: the PJRT device; flax: the JAX platform). `claim`: the workdir's lock,
+    taken before anything is written there when this process owns the run."""
     plan = resolve_plan(config, world_size)
     backend = backends.load(backend_name)
     info = backend.describe_model(config)  # the model's family and own settings: capability rules read them
@@ -39,14 +42,16 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
         check_fit(config, backend_name, world_size, device or backend_name,
                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
-    prepare_workdir(workdir, config, backend_name)
+    prepare_workdir(workdir, config, backend_name, claim)
     return plan
 
 
-def prepare_workdir(workdir: pathlib.Path, config, backend_name: str) -> None:
+def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: workdir_lock.Claim | None = None) -> None:
     resume = config.train.resume
     try:
         workdir.mkdir(parents=True, exist_ok=True)
+        if claim is not None:  # one run per workdir: a live one refuses this start here
+            claim.take(workdir)
         probe = workdir / f".write-test-{socket.gethostname()}-{os.getpid()}"  # machines may share it
         probe.write_text("")
         probe.unlink()
@@ -66,21 +71,55 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
     machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
-    130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError."""
+    130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError.
+    The process that owns the run holds WORKDIR/.lock until it returns (portable_fsdp.workdir_lock)."""
+    nodes = nodes or LaunchSettings()
+    with workdir_lock.Claim(lambda: owns_workdir(nodes, backend_name)) as claim:
+        if backend_name != "xla":  # (xla knows its owner only once its environment is set up)
+            claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
+        return _start(config, backend_name, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+
+
+def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool:
+    """Whether this process holds the run's workdir: global rank 0 under torchrun; else machine 0's launcher, or
+    on a TPU slice (every host starts the command) worker 0. The workers our launcher starts never take it:
+    their launcher holds it for them."""
+    if under_torchrun():
+        return os.environ.get("RANK", "0") == "0"
+    if backend_name == "xla":
+        return _tpu_worker() == 0
+    return nodes.machine_rank == 0
+
+
+def _tpu_worker() -> int:
+    """This host's worker number in its TPU slice (0 off a TPU), read from the TPU VM's metadata without starting
+    torch_xla's runtime. Asked during the checks, once the xla environment is set up."""
+    import torch_xla.runtime as xr
+
+    if xr.device_type() != "TPU":
+        return 0
+    from torch_xla._internal import tpu
+
+    try:
+        return tpu.worker_id()
+    except Exception:  # no metadata: torch_xla's own start will say what is wrong
+        return 0
+
+
+def _start(config, backend_name: str, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings, checks) -> dict | None:
     if backend_name == "xla":
         xla_settings_onto_spmd_plan(config)  # before the workers get the config
     spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
     if backend_name == "flax":
-        return _start_jax(config, spec, workdir, nproc, nodes or LaunchSettings())
+        return _start_jax(config, spec, workdir, nproc, nodes, checks)
     if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)
         from portable_fsdp.backends.xla.launch import start as start_xla
 
-        return start_xla(config, spec, workdir, nproc, preflight)
+        return start_xla(config, spec, workdir, nproc, checks)
     if under_torchrun():  # every rank checks (cheap, deterministic) before any collective starts
-        preflight(config, backend_name, int(os.environ["WORLD_SIZE"]), workdir)
+        checks(config, backend_name, int(os.environ["WORLD_SIZE"]), workdir)
         return worker.main(spec)
-    nodes = nodes or LaunchSettings()
-    preflight(config, backend_name, nproc * nodes.num_machines, workdir)
+    checks(config, backend_name, nproc * nodes.num_machines, workdir)
     if nproc == 1 and not nodes.multi_node:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port(nodes.main_process_port)))
@@ -88,7 +127,7 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     return _elastic_launch(spec, nproc, nodes)
 
 
-def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings) -> dict:
+def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings, checks) -> dict:
     """JAX: one process drives `nproc` devices (host CPU devices unless JAX_PLATFORMS names others), so no
     launcher; the plan's world size is the device count. Host devices are set up before jax is imported. On
     several machines each machine's launcher is one JAX process (machine_rank of num_machines, meeting at
@@ -99,7 +138,7 @@ def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes: Lau
 
     configure_host_devices(nproc)
     world_size = nproc * nodes.num_machines
-    preflight(config, "flax", world_size, workdir, device=platform())
+    checks(config, "flax", world_size, workdir, device=platform())
     if nodes.multi_node:
         join(f"{nodes.main_process_ip}:{nodes.main_process_port}", nodes.num_machines, nodes.machine_rank)
     os.environ.update(RANK=str(nodes.machine_rank), WORLD_SIZE=str(world_size))
@@ -146,6 +185,7 @@ def _elastic_launch(spec: dict, nproc: int, nodes: LaunchSettings) -> dict | Non
 
     launch_config = LaunchConfig(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1, start_method="spawn",
                                  **_rendezvous(nodes))
+    spec = {**spec, "launcher_pid": os.getpid()}  # the workers stop if this process dies (worker.main)
     try:
         return elastic_launch(launch_config, worker.main)(spec).get(0)
     except ChildFailedError as err:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 from portable_fsdp import checkpointing, faults, hardware
@@ -67,6 +68,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
         state = _resume(backend, state, checkpointing.latest(workdir), config, backend_name)
+    elif t.resume and is_main:  # e.g. the first start of a job that always passes resume=true
+        print(f"warning: train.resume=true but {workdir} holds no checkpoint to resume from; starting from step 0",
+              file=sys.stderr, flush=True)
     start = state.step
     log = MetricsLog(workdir, is_main)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded

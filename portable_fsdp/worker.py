@@ -24,6 +24,8 @@ def main(spec: dict) -> dict:
 
 
 def _main(spec: dict) -> dict:
+    if spec.get("launcher_pid"):
+        _die_with_launcher(spec["launcher_pid"])
     config = config_lib.from_dict(spec["config"])
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
@@ -35,3 +37,22 @@ def _main(spec: dict) -> dict:
         if os.environ.get("RANK", "0") == "0":
             print(err.line(), file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """A worker of our launcher dies with it. torch's spawn sends its workers SIGINT when their parent dies, which
+    would have them save a checkpoint (train.save_on_interrupt) after the launcher's workdir lock is gone, racing
+    the next run that takes the workdir over; a launcher killed with SIGKILL takes its workers with it instead
+    (SIGINT and SIGTERM reach them through the launcher, which waits for their save). Linux only, as torch's."""
+    import ctypes
+    import signal
+
+    if os.getppid() != launcher_pid:  # not its child (another start method): nothing to tie
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher_pid:  # it died before the signal was armed
+        os._exit(1)

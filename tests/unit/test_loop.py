@@ -115,6 +115,14 @@ def test_stop_at_step_then_resume_continues_where_it_stopped(tmp_path):
     assert steps == list(range(1, 11))
 
 
+def test_resume_with_nothing_to_resume_says_so_and_starts_from_step_0(tmp_path, capsys):
+    backend = ScriptedBackend([1.0])
+    run(tmp_path, backend, steps=2, eval_every=0, resume=True)
+    assert backend.loaded == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: train.resume=true but {tmp_path} holds no checkpoint to resume from; starting from step 0"]
+
+
 def test_the_best_eval_loss_survives_a_resume(tmp_path):
     run(tmp_path, ScriptedBackend([1.0, 2.0]), steps=8, eval_every=2, load_best_model_at_end=True, stop_at_step=4)
     assert checkpointing.best(tmp_path).name == "step_00000002"
