@@ -227,8 +227,8 @@ RULES = (
                                 "sharding saves no memory at compute time"))),
     Rule("plan.cpu_ram_efficient_loading", (("plan.cpu_ram_efficient_loading", ON),), {
         "xla_v1": Refused("has no FSDP v1 equivalent in torch_xla: every process builds the whole model; set it "
-                          "to false, or use SPMD FSDPv2 (plan.xla_fsdp_v2=true), where one process per host "
-                          "builds it once"),
+                          "to false, or use SPMD FSDPv2 (plan.xla_fsdp_v2=true), where the host fills each "
+                          "parameter into its shards in turn and never holds the whole model"),
         "flax": NoEffect("one process builds the model and places its shards")}),
     Rule("plan.state_dict_type", (("plan.state_dict_type", Is("SHARDED_STATE_DICT")),), {
         "flax": Refused("SHARDED_STATE_DICT is not available on --backend flax; use FULL_STATE_DICT (a directory "

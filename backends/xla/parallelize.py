@@ -24,14 +24,17 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullySha
 
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.backends.xla import layout
+from portable_fsdp.backends.xla.materialize import materialize_sharded
 from portable_fsdp.backends.xla.runtime import Runtime
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan, WrapPolicy
 
 
 def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, info: ModelInfo, layer_classes: tuple,
-                v1_kwargs: dict) -> nn.Module:
-    """Returns the root wrapper; `model` is modified in place (its layers become wrapped units)."""
+                v1_kwargs: dict, on_meta=None) -> nn.Module:
+    """Returns the root wrapper; `model` is modified in place (its layers become wrapped units). Under SPMD,
+    `model` may be on the meta device with `on_meta` (hf_torch.model.OnMeta) to fill it, one parameter at a
+    time, as it is sharded."""
     specs = None
     if runtime.spmd:
         tp_plan = tensor_parallel_plan(plan, info) if plan.mesh.tp_size > 1 else {}
@@ -43,7 +46,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, info: Mo
         apply_gradient_checkpointing(model, layer_classes)
     policy = wrap_policy(model, plan, layer_classes)
     if runtime.spmd:
-        return apply_fsdp_v2(model, runtime.mesh, policy, specs)
+        return apply_fsdp_v2(model, runtime.mesh, policy, specs, on_meta)
     return apply_fsdp_v1(model, policy, v1_kwargs)
 
 
@@ -135,16 +138,20 @@ def shard_output(output, mesh) -> None:
     xs.mark_sharding(tensor, mesh, layout.activation_spec(tensor.dim()))
 
 
-def apply_fsdp_v2(model: nn.Module, mesh, policy, specs: dict) -> nn.Module:
-    """Every parameter annotated with its spec (`specs`, by name) once on the device; FSDPv2 keeps shardings
-    already set, and would otherwise shard over fsdp alone."""
+def apply_fsdp_v2(model: nn.Module, mesh, policy, specs: dict, on_meta=None) -> nn.Module:
+    """Every parameter annotated with its spec (`specs`, by name) once on the device — or, for a model on the meta
+    device, filled from `on_meta` straight into its shards (backends/xla/materialize.py); FSDPv2 keeps
+    shardings already set, and would otherwise shard over fsdp alone."""
     # torch_xla hooks every unit's backward for an optimization barrier; torch warns when a unit's inputs
     # need no gradient (the embedding's token ids), which is expected here.
     for message in ("For backward hooks to be called", "Full backward hook is firing"):
         warnings.filterwarnings("ignore", message=message)
-    move_keeping_ties(model, torch_xla.device())
-    for name, param in model.named_parameters():
-        xs.mark_sharding(param, mesh, specs[name])
+    if on_meta is not None:
+        materialize_sharded(model, on_meta, torch_xla.device(), mesh, specs)
+    else:
+        move_keeping_ties(model, torch_xla.device())
+        for name, param in model.named_parameters():
+            xs.mark_sharding(param, mesh, specs[name])
     return SpmdFullyShardedDataParallel(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy)
 
 

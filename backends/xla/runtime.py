@@ -73,6 +73,13 @@ def batch_sharding(runtime: Runtime):
     return _PartialShardingSpec(runtime.mesh, layout.activation_spec(2), minibatch=runtime.process_count > 1)
 
 
+def to_device_sharded(mesh, tensor: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """A host tensor on the SPMD device, sharded by `spec` over `mesh`: each device is sent only its shard, cut
+    from `tensor` (a view where the split is along dimension 0), with no device-side copy of the whole."""
+    (moved,) = xm.send_cpu_data_to_device([tensor], torch_xla.device(), _PartialShardingSpec(mesh, spec))
+    return moved
+
+
 def to_device(runtime: Runtime, arrays: list) -> list:
     """Host int64 arrays -> device tensors, sharded by row under SPMD, in one transfer, no pinned memory."""
     tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]

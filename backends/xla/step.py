@@ -19,7 +19,7 @@ from torch import nn
 
 from portable_fsdp.backends.hf_torch import chunked_loss, matmul
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
-from portable_fsdp.backends.hf_torch.model import create_model, describe_model, freeze_parameters
+from portable_fsdp.backends.hf_torch.model import create_model, create_on_meta, describe_model, freeze_parameters
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, params as params_lib
 from portable_fsdp.backends.xla import runtime as rt
@@ -67,13 +67,15 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
         plan, plan.xla.xla_fsdp_settings, fsdp_settings.v1_signature(), config.train.weight_decay)
     info = describe_model(config)
     layer_classes = plan.wrap_classes(info)
-    # Every process builds the seeded model on its host; SPMD has one process per host, so that is once a host.
-    model = create_model(config, rank=0, rank0_only=False)
+    # SPMD: the model on the meta device, each parameter filled into its shards in turn (parallelize), so the
+    # host never holds it whole. FSDP v1 (one process per device) builds the seeded model whole in each process.
+    on_meta = create_on_meta(config) if runtime.spmd else None
+    model = on_meta.model if on_meta else create_model(config, rank=0, rank0_only=False)
     moe.prepare(model)  # experts that XLA compiles, and a histc PJRT CPU runs (backends/xla/moe.py)
     freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    root = parallelize(model, plan, runtime, info, layer_classes, v1_kwargs)
+    root = parallelize(model, plan, runtime, info, layer_classes, v1_kwargs, on_meta)
     # Under SPMD the program is global: a chunk spans the rows and sequence parts of every device.
     spmd = {"sequence_parts": plan.mesh.sequence_size, "row_shards": plan.mesh.data_parallel_size} if runtime.spmd else {}
     chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens, **spmd), "xla")
