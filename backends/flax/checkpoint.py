@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes
+from portable_fsdp.backends.flax.sharding import place_all
 from portable_fsdp import checkpointing
-from portable_fsdp.backends.flax.step import TrainState, place
+from portable_fsdp.backends.flax.step import TrainState
 
 
 
@@ -41,7 +42,7 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
     checkpointing.stored_layout(directory)  # SHARDED ones are refused before (checkpointing.check_compatible)
     ctx = state.ctx
     host = convert.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
-    params = place(host, ctx.param_sharding)
+    params = place_all(host, ctx.param_sharding)
     opt_state = state.opt_state
     if (directory / checkpointing.OPTIMIZER).exists():
         opt_state = _load_torch_optimizer_state(state, directory / checkpointing.OPTIMIZER)
@@ -105,5 +106,5 @@ def _load_torch_optimizer_state(state: TrainState, path: pathlib.Path):
     count = int(next(iter(per_param.values()))["step"].item())
     moment_sharding = {n: ctx.param_sharding[n] for n in names}
     opt_state = optimizer_lib.replace_adam_moments(state.opt_state, jnp.asarray(count, jnp.int32),
-                                                   place(mu, moment_sharding), place(nu, moment_sharding))
+                                                   place_all(mu, moment_sharding), place_all(nu, moment_sharding))
     return jax.device_put(opt_state, ctx.opt_sharding)

@@ -8,7 +8,8 @@ any dtype. With tied embeddings the Flax model has no lm_head: the torch side ge
 back as the embedding, as `LlamaForCausalLM.state_dict()` shows it.
 
 Arrays on the Flax side of these functions are numpy (host) arrays; placing them on devices is
-sharding.py's job.
+sharding.py's job. A whole state dict converts at once (from_torch), or one parameter at a time as the model's
+init delivers it (by_torch_name, to_flax: initial.py).
 """
 from __future__ import annotations
 
@@ -79,20 +80,31 @@ def numpy_to_tensor(array: np.ndarray):
     return torch.from_numpy(array)
 
 
+def by_torch_name(flax_names) -> dict:
+    """{torch name: flax name} over the flax model's parameters. Every flax array is one torch tensor (transformers
+    keeps Mixtral's experts fused in one parameter too), so a parameter converts on its own, nothing buffered."""
+    return {torch_name(name): name for name in flax_names}
+
+
+def to_flax(flax_name: str, value) -> np.ndarray:
+    """One torch tensor (or numpy array) as the flax parameter `flax_name`, bit for bit."""
+    return to_flax_layout(flax_name, value if isinstance(value, np.ndarray) else tensor_to_numpy(value))
+
+
+def require_all(flax_names, present, field: str) -> None:
+    """A UserError blaming `field` when a parameter's torch name is not among `present`."""
+    missing = [torch_name(n) for n in flax_names if torch_name(n) not in present]
+    if missing:
+        raise UserError(field, f"the weights lack {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
 def from_torch(state_dict: dict, flax_names, arch: LlamaArchitecture, field: str = "model.init_from") -> dict:
     """torch state dict (tensors or numpy arrays) -> {flax name: numpy array}; `field` is blamed for a
     missing or inconsistent weight."""
-    missing = [torch_name(n) for n in flax_names if torch_name(n) not in state_dict]
-    if missing:
-        raise UserError(field, f"the weights lack {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    params = {}
-    for name in flax_names:
-        value = state_dict[torch_name(name)]
-        array = value if isinstance(value, np.ndarray) else tensor_to_numpy(value)
-        params[name] = to_flax_layout(name, array)
+    require_all(flax_names, state_dict, field)
+    params = {name: to_flax(name, state_dict[torch_name(name)]) for name in flax_names}
     if arch.tie_word_embeddings and TIED_HEAD in state_dict:
-        head = state_dict[TIED_HEAD]
-        head = head if isinstance(head, np.ndarray) else tensor_to_numpy(head)
+        head = to_flax(TIED_HEAD, state_dict[TIED_HEAD])
         if not np.array_equal(head, params["model.embed_tokens.embedding"]):
             raise UserError(field, "tie_word_embeddings is set but lm_head.weight differs from the embedding")
     return params

@@ -130,6 +130,16 @@ def _spec(name: str, shape: tuple, mesh: Mesh, tp_plan: dict, torch_name) -> Par
     return param_spec(shape, size_of(mesh, shard_axes), entry(shard_axes), fixed)
 
 
+def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array on the devices as `sharding` splits it. Each process copies only its own devices' shards
+    (with several processes, every one holds the same full value)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_all(host_params: dict, shardings: dict) -> dict:
+    return {name: place(value, shardings[name]) for name, value in host_params.items()}
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

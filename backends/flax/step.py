@@ -3,7 +3,8 @@
 One process drives every device of the mesh, so it reads the whole global batch (placement: dp_size 1)
 and the jitted programs split it over the devices: rows over dp_replicate × fsdp, the sequence over cp or sp,
 parameters as sharding.py places them (tp and ep included). The initial
-weights are the torch backends' (the same seeded transformers model, converted). Losses are
+weights are the torch backends' (the same seeded transformers model, converted), placed one parameter at a time
+from the model built on the meta device (initial.py). Losses are
 Σ token losses / Σ label tokens of the whole accumulated batch, counted on the host before any split.
 
 On several machines (one JAX process each, `jax.process_count() > 1`) the mesh spans every machine's
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, model as model_lib,
+from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
                                          resources, sharding)
 from portable_fsdp.data.loader import Batch
@@ -62,11 +63,13 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     mesh = sharding.build_mesh(plan.mesh, devices)
     baseline_mb = tuple(resources.memory_now_mb(device) for device in resources.reported_devices(mesh))
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
-    model_def, host_params, hf_config, torch_names = initial_weights(config, remat)
+    weights = initial.prepare(config, remat)
+    model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
     info = architecture.describe_model(config)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
                                               convert.torch_name)
-    params = place(host_params, param_sharding)
+    params = weights.place(param_sharding)
+    del weights  # a model built whole (initial.built_whole) leaves the host here
     optimizer = optimizer_lib.build(config.train)
     opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
@@ -76,22 +79,6 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
                   schedule_for(config.train), baseline_mb)
     return TrainState(params, opt_state, 0, ctx)
-
-
-def initial_weights(config, remat: bool) -> tuple:
-    """The torch backends' initial model — seeded random init, or model.init_from — converted, so both
-    backends start from one set of weights. (model_def, {flax name: numpy}, hf config, torch names)."""
-    from portable_fsdp.backends.hf_torch.model import create_model
-
-    hf_model = create_model(config, rank=0, rank0_only=False)
-    arch = architecture.from_hf_config(hf_model.config)
-    model_def = model_lib.define(arch, remat=remat)
-    torch_state = hf_model.state_dict()
-    return model_def, convert.from_torch(torch_state, model_def.variables, arch), hf_model.config, tuple(torch_state)
-
-
-def place(host_params: dict, param_sharding: dict) -> dict:
-    return {name: jax.device_put(value, param_sharding[name]) for name, value in host_params.items()}
 
 
 def _positions(batch: Batch) -> np.ndarray:
@@ -150,12 +137,14 @@ def placement(state: TrainState) -> Placement:
     world_size = state.ctx.mesh.devices.size
     if processes.several():
         dp_rank, dp_size = processes.data_slice(state.ctx.mesh)
-        return Placement(rank=jax.process_index(), world_size=world_size, dp_rank=dp_rank, dp_size=dp_size)
-    return Placement(rank=0, world_size=world_size, dp_rank=0, dp_size=1)
+        return Placement(rank=jax.process_index(), world_size=world_size, dp_rank=dp_rank, dp_size=dp_size,
+                         process_count=jax.process_count())
+    return Placement(rank=0, world_size=world_size, dp_rank=0, dp_size=1, process_count=1)
 
 
-def barrier(state: TrainState) -> None:
-    """One process: nothing to wait for (device work is awaited where results are read)."""
+def barrier(state: TrainState, timeout_s: float | None = None) -> None:
+    """One process: nothing to wait for (device work is awaited where results are read). Several: a device
+    all-reduce, which train.collective_timeout_s does not bound (`timeout_s` has nothing to lengthen)."""
     if processes.several():
         processes.barrier()
 
