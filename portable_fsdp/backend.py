@@ -38,6 +38,12 @@ class Placement:
     world_size: int
     dp_rank: int  # which slice of the global batch this process reads
     dp_size: int  # how many slices the global batch is cut into (1 when one process drives every device)
+    process_count: int = 0  # processes when one drives several devices (SPMD, JAX); 0: one per rank
+
+    @property
+    def processes(self) -> int:
+        """How many processes there are (each writes and checksums its own part of a checkpoint)."""
+        return self.process_count or self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +115,10 @@ class Backend(Protocol):
         """Full-length predictions of the global batch in token order, as numpy, on every rank:
         {"predictions", "labels" (when the batch has them), "logits" (when asked)}."""
 
-    def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> None:
+    def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write this rank's part of a checkpoint into `directory` (which exists): the layout is
-        `portable_fsdp.checkpointing`'s."""
+        `portable_fsdp.checkpointing`'s. Returns the files this rank wrote, {path: {"bytes", "sha256"} when
+        hashed while writing, else None}: the loop checksums the others on this rank, right after."""
 
     def load_checkpoint(self, state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
         """Restore weights, optimizer state, step and RNG from a verified checkpoint; consumes `state`."""
@@ -122,8 +129,10 @@ class Backend(Protocol):
     def placement(self, state: TrainState) -> Placement:
         """This process's rank and data slice."""
 
-    def barrier(self, state: TrainState) -> None:
-        """Wait until every process arrives (bounded by train.collective_timeout_s)."""
+    def barrier(self, state: TrainState, timeout_s: float | None = None) -> None:
+        """Wait until every process arrives: within `timeout_s` when given (saves and verifications, which
+        allow for their bytes: checkpointing.io_timeout_s), else train.collective_timeout_s where the backend
+        bounds its waits."""
 
     def any_rank(self, state: TrainState, flag: bool) -> bool:
         """True on every process when `flag` is true on any."""

@@ -2,11 +2,18 @@
 
 <workdir>/checkpoints/step_00000100/   one complete checkpoint (manifest.json written last)
 <workdir>/checkpoints/latest          the name of the newest complete one
-A save writes into `.tmp-step_…`, fsyncs, writes the manifest with checksums, then renames:
-a crash at any moment leaves the previous checkpoint and `latest` untouched.
+A save writes into `.tmp-step_…`, then renames: a crash at any moment leaves the previous checkpoint and `latest`
+untouched. Each rank fsyncs and checksums the files it wrote as it writes them (in parallel) and leaves
+`.reports/rank_XXXXX.json` ({path: bytes, sha256}); rank 0 gathers the reports into manifest.json, written last.
+On resume each rank checks the sizes of every file and the checksums of its share (a 1/world_size of the bytes).
+Waits around a save or a verification are bounded by `io_timeout_s`: train.collective_timeout_s plus the bytes at a
+conservative IO_BYTES_PER_S, so a 70B model's hundreds of GB never run into a fixed timeout.
 
 Inside a checkpoint, the same on every backend:
-  model.safetensors + config.json    FULL_STATE_DICT: what `from_pretrained` loads (transformers names)
+  model.safetensors + config.json    FULL_STATE_DICT: what `from_pretrained` loads (transformers names); split
+                                     into model-0000i-of-0000N.safetensors + model.safetensors.index.json above
+                                     train.max_shard_size (safetensors_shards), in train.save_dtype
+  generation_config.json, tokenizer  so that pipeline("text-generation", model=<dir>) runs (data.tokenizer's)
   optimizer.pt                       FULL_STATE_DICT: torch's full optimizer state dict, keyed by name
   sharded/                           SHARDED_STATE_DICT: the writing backend's own per-rank files
   rng/rank_XXXXX.pt                  each rank's RNG states (backends that draw random numbers)
@@ -21,11 +28,14 @@ import os
 import pathlib
 import shutil
 
-from portable_fsdp import faults
+from portable_fsdp import faults, safetensors_shards
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
+WEIGHTS = safetensors_shards.SINGLE
+REPORTS = ".reports"
+# A disk (or network filesystem) rate every real one exceeds: waits on writing or hashing N bytes allow N / this.
+IO_BYTES_PER_S = 100e6
 OPTIMIZER = "optimizer.pt"
 SHARDED = "sharded"
 # --backend -> the format of its SHARDED_STATE_DICT files: a sharded checkpoint resumes where the format is read.
@@ -80,10 +90,58 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def digest(path: pathlib.Path) -> dict:
+    """fsync a file this rank just wrote and checksum it (it is still in this host's page cache)."""
+    _fsync(path)
+    return {"bytes": pathlib.Path(path).stat().st_size, "sha256": _sha256(path)}
+
+
+def io_timeout_s(nbytes: float, floor_s: float) -> float:
+    """How long ranks may wait on one another around writing or hashing `nbytes` (one rank may do it all)."""
+    return floor_s + nbytes / IO_BYTES_PER_S
+
+
+def checkpoint_bytes(n_params: int, weight_bytes: int = 4) -> int:
+    """A checkpoint's size: the weights at `weight_bytes` per parameter plus AdamW's two fp32 moments."""
+    return n_params * (weight_bytes + 8)
+
+
+def wait_bound_s(n_params: int, floor_s: float) -> float:
+    """The bound on every wait around a save or a verification of a model of `n_params` parameters (the same
+    number on every rank and in every backend, which may build a process group for it)."""
+    return io_timeout_s(checkpoint_bytes(n_params), floor_s)
+
+
+def write_report(staging: pathlib.Path, rank: int, files: dict) -> None:
+    """Every rank, after writing: {path: {"bytes", "sha256"} or None (checksummed here)} of the files it wrote,
+    as `.reports/rank_XXXXX.json` in the staging directory (for rank 0's commit)."""
+    staging = pathlib.Path(staging)
+    listing = {str(pathlib.Path(p).relative_to(staging)): (d or digest(p)) for p, d in files.items()}
+    reports = staging / REPORTS
+    reports.mkdir(exist_ok=True)
+    tmp = reports / f"rank_{rank:05d}.tmp"
+    tmp.write_text(json.dumps(listing))
+    os.replace(tmp, reports / f"rank_{rank:05d}.json")
+
+
+def _gathered_listing(staging: pathlib.Path) -> dict:
+    """The ranks' reports merged, plus any file no rank reported (checksummed here); the reports removed."""
+    listing: dict = {}
+    reports = staging / REPORTS
+    for report in sorted(reports.glob("rank_*.json")) if reports.is_dir() else []:
+        listing.update(json.loads(report.read_text()))
+    shutil.rmtree(reports, ignore_errors=True)
+    for path in sorted(p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST):
+        name = str(path.relative_to(staging))
+        if name not in listing:
+            listing[name] = digest(path)
+    return dict(sorted(listing.items()))
+
+
 def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pathlib.Path:
-    """Rank 0 only, after every rank has finished writing into the staging directory."""
+    """Rank 0 only, after every rank has finished writing (and reporting) into the staging directory."""
     staging = staging_dir(workdir, step)
-    write_manifest(staging, {**info, "step": step})
+    _write_manifest_file(staging, {**info, "step": step}, _gathered_listing(staging))
     faults.check("commit.manifest", 0, step)
     final = root(workdir) / f"step_{step:08d}"
     if final.exists():  # this step is already saved and complete: keep it, never replace a valid one
@@ -98,11 +156,13 @@ def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pa
 
 
 def write_manifest(directory: pathlib.Path, info: dict) -> None:
-    """fsync every file, then write manifest.json (sizes and sha256 of each) last."""
-    files = sorted(p for p in pathlib.Path(directory).rglob("*") if p.is_file() and p.name != MANIFEST)
-    for path in files:
-        _fsync(path)
-    listing = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    """One process wrote `directory` (the offline converter): fsync and checksum every file, then manifest.json."""
+    directory = pathlib.Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    _write_manifest_file(directory, info, {str(p.relative_to(directory)): digest(p) for p in files})
+
+
+def _write_manifest_file(directory: pathlib.Path, info: dict, listing: dict) -> None:
     (pathlib.Path(directory) / MANIFEST).write_text(json.dumps({**info, "files": listing}, indent=1))
     _fsync(pathlib.Path(directory) / MANIFEST)
 
@@ -160,8 +220,20 @@ def read_manifest(path: pathlib.Path) -> dict:
     return json.loads((pathlib.Path(path) / MANIFEST).read_text())
 
 
-def verify(path: pathlib.Path) -> dict:
-    """Check every file the manifest lists (size and sha256) before anything is loaded; returns the manifest."""
+def verify(path: pathlib.Path, rank: int = 0, world_size: int = 1) -> dict:
+    """Before anything is loaded: every file the manifest lists is there with its size, and this rank's share of
+    the files (`verify_share`; all of them with one process) matches its sha256. Returns the manifest."""
+    path = pathlib.Path(path)
+    manifest = verify_sizes(path)
+    for name in verify_share(manifest, rank, world_size):
+        if _sha256(path / name) != manifest["files"][name]["sha256"]:
+            raise _mismatch(path / name)
+    return manifest
+
+
+def verify_sizes(path: pathlib.Path) -> dict:
+    """The checks that read no file's bytes (the launcher's, before any worker starts): the manifest, and every
+    file it lists there with its size. Returns the manifest."""
     path = pathlib.Path(path)
     try:
         manifest = read_manifest(path)
@@ -171,10 +243,30 @@ def verify(path: pathlib.Path) -> dict:
         file = path / name
         if not file.is_file():
             raise UserError("train.resume", f"{file} is missing; the checkpoint is incomplete — resume from another one")
-        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
-            raise UserError("train.resume", f"{file} does not match its checksum in {MANIFEST} (corrupt or "
-                            "truncated); resume from another checkpoint")
+        if file.stat().st_size != expected["bytes"]:
+            raise _mismatch(file)
     return manifest
+
+
+def _mismatch(file: pathlib.Path) -> UserError:
+    return UserError("train.resume", f"{file} does not match its checksum in {MANIFEST} (corrupt or truncated); "
+                     "resume from another checkpoint")
+
+
+def verify_share(manifest: dict, rank: int, world_size: int) -> list:
+    """The files `rank` checksums: the largest first, each to the rank with the fewest bytes so far (ties to
+    the lowest rank), so every file is checked once and each rank hashes about 1/world_size of the bytes."""
+    loads = [0] * world_size
+    share: dict = {r: [] for r in range(world_size)}
+    for name, entry in sorted(manifest["files"].items(), key=lambda item: (-item[1]["bytes"], item[0])):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[least] += entry["bytes"]
+        share[least].append(name)
+    return sorted(share[rank])
+
+
+def total_bytes(manifest: dict) -> int:
+    return sum(entry["bytes"] for entry in manifest["files"].values())
 
 
 MODEL_FIELDS_THAT_SHAPE_WEIGHTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -66,6 +66,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.save_every = 0  # 0 = only at the end
     c.train.keep_last_n = 2
+    # FULL checkpoints: weights split into safetensors files of at most this size (+ an index), as save_pretrained
+    # does (5GB: what hub models use; transformers 5's own default is 50GB), and stored in save_dtype: float32 |
+    # bfloat16 (half the bytes; a resume casts back and is not bit-exact)
+    c.train.max_shard_size = "5GB"
+    c.train.save_dtype = "float32"
     c.train.resume = False
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps

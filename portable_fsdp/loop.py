@@ -14,6 +14,7 @@ import time
 from portable_fsdp import checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.tokenizers import save_for_generation
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.interrupts import InterruptFlag
@@ -153,28 +154,56 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
 
 
 def _resume(backend, state, path: pathlib.Path, config, backend_name: str):
-    manifest = checkpointing.verify(path)
+    where = backend.placement(state)
+    try:  # every rank checks every file's size and checksums its own share of the bytes
+        manifest, problem = checkpointing.verify(path, where.rank, where.processes), None
+    except UserError as err:
+        manifest, problem = None, err
+    if where.processes > 1:  # a corrupt file is seen by the one rank that hashed it: all stop together
+        backend.barrier(state, timeout_s=_io_timeout(backend, state, config.train))
+        if backend.any_rank(state, problem is not None) and problem is None:
+            problem = UserError("train.resume", f"another rank found a file of {path} that does not match its "
+                                f"checksum in {checkpointing.MANIFEST} (its line names it); resume from another checkpoint")
+    if problem:
+        raise problem
     checkpointing.check_compatible(manifest, config, backend_name)
+    dtype = manifest.get("weights_dtype", "float32")
+    if dtype != "float32" and where.rank == 0:
+        print(f"warning: {path.name} holds its weights in {dtype} (train.save_dtype): they are cast back to the "
+              "training dtype, so this resume is not bit-exact", file=sys.stderr, flush=True)
     return backend.load_checkpoint(state, path, manifest)
+
+
+def _io_timeout(backend, state, train) -> float:
+    """The bound on every wait around a save or a verification: the same number on every rank."""
+    return checkpointing.wait_bound_s(backend.model_info(state).n_params, train["collective_timeout_s"])
 
 
 def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
          best: dict | None = None) -> pathlib.Path:
-    """Stage, write on every rank, then commit atomically on rank 0 (see portable_fsdp.checkpointing)."""
+    """Stage, write (each rank checksumming its own files), then commit atomically on rank 0 (see
+    portable_fsdp.checkpointing). The waits allow for the bytes to write (checkpointing.io_timeout_s)."""
     rank = backend.placement(state).rank
+    timeout = _io_timeout(backend, state, info["config"]["train"])
+    staging = checkpointing.staging_dir(workdir, state.step)
     if is_main:
         checkpointing.prepare_staging(workdir, state.step)
-    backend.barrier(state)
+    backend.barrier(state, timeout_s=timeout)
     faults.check("save.staged", rank, state.step)
-    backend.save_checkpoint(state, checkpointing.staging_dir(workdir, state.step))
+    written = dict(backend.save_checkpoint(state, staging) or {})
+    if is_main:  # what pipeline("text-generation", model=<checkpoint>) needs besides the model
+        written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
+    checkpointing.write_report(staging, rank, written)
     faults.check("save.written", rank, state.step)
-    backend.barrier(state)
+    backend.barrier(state, timeout_s=timeout)
     final = checkpointing.root(workdir) / f"step_{state.step:08d}"
     if is_main:
         if best:  # before the commit prunes, so the new best is spared
             checkpointing.mark_best(workdir, final, best)
+        if info["state_dict_type"] == "FULL_STATE_DICT":
+            info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
         checkpointing.commit(workdir, state.step, info, keep_last_n)
-    backend.barrier(state)
+    backend.barrier(state, timeout_s=timeout)
     return final
 
 

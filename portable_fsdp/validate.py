@@ -88,6 +88,17 @@ def _positive(value, field: str, allow_zero: bool = False) -> None:
         raise UserError(field, f"must be {'>= 0' if allow_zero else 'positive'} (got {value})")
 
 
+def _check_checkpoint_fields(t) -> None:
+    from portable_fsdp.safetensors_shards import parse_size
+
+    try:
+        parse_size(t.max_shard_size)
+    except ValueError as err:
+        raise UserError("train.max_shard_size", f"{err}") from None
+    if t.save_dtype not in ("float32", "bfloat16"):
+        raise UserError("train.save_dtype", f"unknown value {t.save_dtype!r}; choose float32 or bfloat16")
+
+
 def check_train_fields(config, data_parallel_size: int) -> None:
     t, d, m = config.train, config.data, config.model
     for name in ("steps", "batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
@@ -104,6 +115,7 @@ def check_train_fields(config, data_parallel_size: int) -> None:
         if t[name] and not t.eval_every:
             raise UserError(f"train.{name}", "needs evaluations during training: set train.eval_every > 0")
     resolve_metrics(t.compute_metrics)
+    _check_checkpoint_fields(t)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
     for name in ("beta1", "beta2"):

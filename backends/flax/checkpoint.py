@@ -1,7 +1,8 @@
 """FULL checkpoints of the Flax lowering, in the torch backends' format (layout: portable_fsdp.checkpointing).
 
-`model.safetensors` + `config.json` + `generation_config.json`: a directory `from_pretrained` loads, and
-that every backend resumes from. `optimizer.pt`: AdamW's state as torch's full optimizer state dict
+`model.safetensors` (or shards of train.max_shard_size + model.safetensors.index.json, in train.save_dtype) +
+`config.json` + `generation_config.json`: a directory `from_pretrained` loads, and that every backend resumes
+from; written one parameter at a time. `optimizer.pt`: AdamW's state as torch's full optimizer state dict
 (`{"state": {torch name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`), moments in torch's
 layout, so a run can resume on another backend. Training draws no random numbers: there is no RNG to save.
 """
@@ -17,23 +18,60 @@ import numpy as np
 
 from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes
 from portable_fsdp.backends.flax.sharding import place_all
-from portable_fsdp import checkpointing
+from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.backends.flax.step import TrainState
 
 
 
-def save_checkpoint(state: TrainState, directory: pathlib.Path) -> None:
-    """Several processes: every one gathers the weights and moments (a collective), process 0 alone writes."""
+def save_checkpoint(state: TrainState, directory: pathlib.Path) -> dict:
+    """Several processes: every one gathers each weight and the moments (collectives); the weights' shard files
+    are written by the process owning each (safetensors_shards), the rest by process 0. Returns {path: checksum
+    or None} of the files this process wrote."""
     directory = pathlib.Path(directory)
-    arch = state.ctx.model_def.arch
-    weights, optimizer_state = _to_host(state.params), _torch_optimizer_state(state)
+    written = _save_weights(state, directory)
+    optimizer_state = _torch_optimizer_state(state)
     if jax.process_index() != 0:
-        return
-    convert.write_safetensors(weights, arch, directory / checkpointing.WEIGHTS)
-    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory)
+        return written
+    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
     import torch
 
     torch.save(optimizer_state, directory / checkpointing.OPTIMIZER)
+    for name in ("config.json", "generation_config.json", checkpointing.OPTIMIZER):
+        written[directory / name] = None
+    return written
+
+
+def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
+    """The weights in torch's names and layout (no tied lm_head), in train.save_dtype, in shards of
+    train.max_shard_size as save_pretrained writes them: one parameter on the host at a time."""
+    train = state.ctx.config.train
+    flax_of = {convert.torch_name(n): n for n in state.params}
+    order = [n for n in state.ctx.torch_names if n in flax_of] + sorted(set(flax_of) - set(state.ctx.torch_names))
+    stored = {n: train.save_dtype if jnp.issubdtype(state.params[flax_of[n]].dtype, jnp.floating)
+              else str(state.params[flax_of[n]].dtype) for n in order}
+    entries = [safetensors_shards.Tensor(n, stored[n], _torch_shape(flax_of[n], state.params[flax_of[n]].shape))
+               for n in order]
+    writer = safetensors_shards.Writer(directory, entries, safetensors_shards.parse_size(train.max_shard_size),
+                                       jax.process_index(), jax.process_count())
+    for name in order:
+        host = _to_host({name: state.params[flax_of[name]]})[name]  # several processes: a collective
+        if writer.owner(name) == jax.process_index():
+            array = convert.to_torch_layout(flax_of[name], host).astype(_numpy_dtype(stored[name]))
+            writer.write(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return writer.close()
+
+
+def _torch_shape(flax_name: str, shape) -> tuple:
+    """The torch layout's shape, from a zero-stride view (no memory)."""
+    return tuple(convert.to_torch_layout(flax_name, np.broadcast_to(np.zeros((), np.uint8), shape)).shape)
+
+
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
 
 
 def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
@@ -42,6 +80,8 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
     checkpointing.stored_layout(directory)  # SHARDED ones are refused before (checkpointing.check_compatible)
     ctx = state.ctx
     host = convert.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
+    # a bfloat16 export (train.save_dtype) resumes into the training dtype
+    host = {name: value.astype(state.params[name].dtype) for name, value in host.items()}
     params = place_all(host, ctx.param_sharding)
     opt_state = state.opt_state
     if (directory / checkpointing.OPTIMIZER).exists():
@@ -55,14 +95,14 @@ def _to_host(tree: dict) -> dict:
     return {name: np.asarray(jax.device_get(value)) for name, value in tree.items()}
 
 
-def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path) -> None:
+def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path, dtype: str) -> None:
     """What save_pretrained writes besides the weights: config.json (with the class to build, e.g.
-    MixtralForCausalLM) and generation_config.json."""
+    MixtralForCausalLM, and the weights' dtype) and generation_config.json."""
     from transformers import GenerationConfig
 
     config = copy.deepcopy(hf_config)
     config.architectures = [model_class]
-    config.dtype = "float32"
+    config.dtype = dtype
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
 

@@ -18,6 +18,7 @@ import pathlib
 import numpy as np
 
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
+from portable_fsdp import safetensors_shards
 from portable_fsdp.errors import UserError
 
 TIED_HEAD = "lm_head.weight"
@@ -127,7 +128,7 @@ def read_safetensors_dir(directory: pathlib.Path, flax_names, arch: LlamaArchite
     from safetensors.torch import load_file
 
     directory = pathlib.Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
+    files = safetensors_shards.weight_files(directory, "train.resume")  # through the index when split
     if not files:
         raise UserError("train.resume", f"{directory} holds no .safetensors weights")
     state_dict = {}

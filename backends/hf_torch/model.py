@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from portable_fsdp import checkpointing
+from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.backends.hf_torch import deferred_init
 from portable_fsdp.errors import UserError
@@ -69,6 +69,8 @@ def _stored_config(source: str, field: str):
                 f"train.resume) — convert it first: python -m portable_fsdp.convert {path} OUT_DIR"))
         if not (path / "config.json").is_file():
             raise UserError(field, f"{path} is not a local model directory (no config.json)")
+        if field == "model.init_from":  # an index naming a missing file: one line, before anything is built
+            safetensors_shards.weight_files(path, field)
         return AutoConfig.from_pretrained(path, local_files_only=True)
     if not HUB_ID.match(source):
         raise UserError(field, f"{source} is not a local model directory (no config.json) or a hub id (org/name)")
@@ -199,7 +201,7 @@ def create_on_meta(config) -> OnMeta | None:
 def _safetensors_fill(model, directory: pathlib.Path):
     """A `fill` reading each parameter from the directory's safetensors files when their tensor names are
     exactly the model's parameters (a tied copy may be left out), else None."""
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    files = safetensors_shards.weight_files(directory, "model.init_from") if directory.is_dir() else []
     if not files:
         return None
     from safetensors import safe_open

@@ -1,8 +1,12 @@
 """Writing and reading the torch backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing).
 
-FULL_STATE_DICT: rank 0 writes `model.safetensors` + `config.json` (a directory `from_pretrained` loads
-outside FSDP) and `optimizer.pt`, gathered from every shard. SHARDED_STATE_DICT: every rank writes its
-shards with torch.distributed.checkpoint under `sharded/`. Both add `rng/rank_*.pt` per rank.
+FULL_STATE_DICT: the weights as `save_pretrained` writes them (model.safetensors, or shards of at most
+train.max_shard_size + model.safetensors.index.json, in train.save_dtype) + config.json + generation_config.json,
+a directory `from_pretrained` loads outside FSDP; streamed: each parameter is gathered in turn (`full_tensor`, a
+collective), and the rank owning its shard file copies it to the CPU and appends it to the file, hashing it on the
+way; no rank ever holds the whole model. Then `optimizer.pt` (rank 0, gathered to the CPU). SHARDED_STATE_DICT:
+every rank writes its shards with torch.distributed.checkpoint under `sharded/`. Both add `rng/rank_*.pt` per rank.
+`save_checkpoint` returns the files this rank wrote, with their checksums where they were hashed while written.
 """
 from __future__ import annotations
 
@@ -15,37 +19,71 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.hf_torch import export
+from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch.model import _fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
-from portable_fsdp import checkpointing
+from portable_fsdp import checkpointing, safetensors_shards
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save_checkpoint(state, directory: pathlib.Path) -> None:
-    """Every rank calls this; `directory` exists (rank 0 made it)."""
+def save_checkpoint(state, directory: pathlib.Path) -> dict:
+    """Every rank calls this; `directory` exists (rank 0 made it). Returns {path: checksum or None} of this
+    rank's files."""
     directory = pathlib.Path(directory)
     rank = dist.get_rank()
+    written: dict = {}
     if state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
-        model_sd = get_model_state_dict(state.model, options=FULL)
+        written.update(save_full_weights(state.model, directory, state.ctx.config.train))
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)
         if rank == 0:
-            # The model's own names (Mixtral's fused experts.gate_up_proj, not the hub's experts.N.w1): what
-            # resume reads back on every backend; from_pretrained loads both.
-            state.model.save_pretrained(directory, state_dict=model_sd, safe_serialization=True,
-                                        save_original_format=False)
             torch.save(optim_sd, directory / checkpointing.OPTIMIZER)
+            written[directory / checkpointing.OPTIMIZER] = None
+            written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
+                                                     state.ctx.config.train.save_dtype))
     else:
+        sharded = directory / checkpointing.SHARDED
+        # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
+        group = distributed.slow_group(_io_timeout(state))
         dcp.save({"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)},
-                 checkpoint_id=str(directory / checkpointing.SHARDED))
+                 checkpoint_id=str(sharded), process_group=group)
+        written.update({p: None for p in sharded.glob(f"__{rank}_*.distcp")})
         if rank == 0:
+            written.update({p: None for p in sharded.glob(".metadata")})
             state.model.config.save_pretrained(directory)
+            written[directory / "config.json"] = None
     rng_file = checkpointing.rng_file(directory, rank)
     rng_file.parent.mkdir(exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None}, rng_file)
+    written[rng_file] = None
+    return written
+
+
+def _io_timeout(state) -> float:
+    return checkpointing.wait_bound_s(state.ctx.info.n_params, state.ctx.config.train.collective_timeout_s)
+
+
+def save_full_weights(model, directory: pathlib.Path, train) -> dict:
+    """Every rank: the model's weights into safetensors shards (see the module's docstring), one parameter at a
+    time. Returns {path: checksum} of the shards this rank wrote (rank 0: and the index)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    skip = export.tied_copies(model)
+    local = {n: t for n, t in get_model_state_dict(model).items() if n not in skip}  # shards: nothing gathered
+    writer = safetensors_shards.Writer(
+        directory, [export.entry(n, t, t.shape, train.save_dtype) for n, t in local.items()],
+        safetensors_shards.parse_size(train.max_shard_size), rank, world)
+    for name, tensor in local.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective: every rank
+        if writer.owner(name) == rank:
+            writer.write(name, export.host_bytes(full, train.save_dtype))
+        del full
+    return writer.close()
 
 
 def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
@@ -69,14 +107,38 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
 
 
 def _load_full(state, directory: pathlib.Path) -> None:
-    from safetensors.torch import load_file
-
-    weights = full_state_dict_with_ties(state.model, load_file(directory / checkpointing.WEIGHTS))
-    set_model_state_dict(state.model, weights, options=StateDictOptions(full_state_dict=True))
+    load_full_weights(state.model, directory)
     optim_file = directory / checkpointing.OPTIMIZER
     if optim_file.exists():
         optim_sd = torch.load(optim_file, weights_only=False)
         set_optimizer_state_dict(state.model, state.optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_weights(model, directory: pathlib.Path) -> None:
+    """Every rank reads the weight files (through the index when split) one tensor at a time and keeps its own
+    slice of each, cast to the parameter's dtype (a bfloat16 export resumes into fp32 weights)."""
+    from safetensors import safe_open
+
+    targets: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        targets.setdefault(export.clean_name(name), []).append(param)
+    buffers = {export.clean_name(n): b for n, b in model.named_buffers()}
+    found = set()
+    for file in safetensors_shards.weight_files(directory, "train.resume"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in targets:
+                    for param in targets[key]:
+                        _fill(param, f.get_tensor(key))
+                elif key in buffers:
+                    with torch.no_grad():
+                        buffers[key].copy_(f.get_tensor(key))
+                found.add(key)
+    # tied copies are left out of the files: they are the parameter they are tied to, filled above
+    tied = export.tied_copies(model)
+    missing = [n for n in targets if n not in found and n not in tied]
+    if missing:
+        raise UserError("train.resume", f"the weights in {directory} lack {', '.join(missing[:3])}: another model")
 
 
 def _load_sharded(state, directory: pathlib.Path) -> None:

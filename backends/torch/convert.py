@@ -32,8 +32,12 @@ def sharded_to_full(source: pathlib.Path, target: pathlib.Path) -> None:
             bundle = torch.load(pathlib.Path(scratch) / "full.pt", weights_only=False)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
         model.load_state_dict(full_state_dict_with_ties(model, dict(bundle["model"])), strict=True)
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True,
+                              max_shard_size=manifest.get("config", {}).get("train", {}).get("max_shard_size", "5GB"))
         torch.save(bundle["optim"], staging / checkpointing.OPTIMIZER)
+        for file in source.iterdir():  # the tokenizer and generation_config.json the training run saved
+            if file.is_file() and file.name not in (checkpointing.MANIFEST, "config.json"):
+                shutil.copy2(file, staging / file.name)
         rng = checkpointing.rng_file(source, 0).parent
         if rng.is_dir():
             shutil.copytree(rng, staging / rng.name)

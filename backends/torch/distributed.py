@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import sys
 
@@ -57,6 +58,21 @@ def gloo_banner_hidden():
         os.close(saved)
 
 
+_SLOW_GROUPS: dict = {}
+
+
+def slow_group(timeout_s: float):
+    """A gloo group of every rank whose collectives wait up to `timeout_s` rather than train.collective_timeout_s
+    (the waits around a save or a verification, which grow with the bytes). Made the first time a bound is asked
+    for, by every rank at once (creating a group is a collective); the same bound reuses it."""
+    seconds = int(math.ceil(timeout_s))
+    if seconds not in _SLOW_GROUPS:
+        with gloo_banner_hidden():
+            _SLOW_GROUPS[seconds] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    return _SLOW_GROUPS[seconds]
+
+
 def shutdown() -> None:
+    _SLOW_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

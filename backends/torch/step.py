@@ -364,8 +364,9 @@ def placement(state: TrainState) -> Placement:
                      dp_rank=state.ctx.meshes.dp_rank, dp_size=state.ctx.meshes.dp_size)
 
 
-def barrier(state: TrainState) -> None:
-    dist.barrier()
+def barrier(state: TrainState, timeout_s: float | None = None) -> None:
+    """Every rank arrives; within `timeout_s` when given (a gloo group of its own), else the process group's."""
+    dist.barrier(group=distributed.slow_group(timeout_s) if timeout_s is not None else None)
 
 
 def any_rank(state: TrainState, flag: bool) -> bool:

@@ -1,9 +1,10 @@
 """Writing and reading the xla backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing),
 in the torch backend's formats so a checkpoint moves between backends:
 
-FULL_STATE_DICT: every shard is gathered (not only the first process's) into `model.safetensors` +
-`config.json` (save_pretrained: what `from_pretrained` and --backend cpu load) and `optimizer.pt` (torch's
-full optimizer state dict: state and param_groups keyed by parameter name).
+FULL_STATE_DICT: every shard is gathered (not only the first process's), one parameter at a time, into
+`model.safetensors` (or shards of train.max_shard_size + index, in train.save_dtype: safetensors_shards) +
+`config.json` + `generation_config.json` (what `from_pretrained` and --backend cpu load) and `optimizer.pt`
+(torch's full optimizer state dict: state and param_groups keyed by parameter name).
 SHARDED_STATE_DICT: per-shard files under `sharded/`: one per device under SPMD (see shard_files), one per
 process under FSDP v1. Both add `rng/rank_*.pt` per process.
 """
@@ -15,38 +16,61 @@ import pathlib
 import torch
 import torch_xla.core.xla_model as xm
 
-from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
+from portable_fsdp.backends.hf_torch import export
 from portable_fsdp.backends.xla import full_state, runtime as rt, shard_files
-from portable_fsdp import checkpointing
+from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(state, directory: pathlib.Path) -> None:
-    """Every process calls this; `directory` exists (process 0 made it)."""
+def save_checkpoint(state, directory: pathlib.Path) -> dict:
+    """Every process calls this; `directory` exists (process 0 made it). Returns {path: checksum or None} of the
+    files this process wrote."""
     directory = pathlib.Path(directory)
     ctx = state.ctx
     rt.sync()  # the weights read below are those of the last finished step
     is_main = ctx.runtime.rank == 0
+    written: dict = {}
     if ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
-        weights = {n.name: full_state.gather(ctx.runtime, n.param, n.shape) for n in ctx.named}
-        weights.update(full_state.persistent_buffers(ctx.hf_model))
+        written.update(_save_full_weights(state, directory))
         optimizer = _full_optimizer_state(state)
         if is_main:
-            # the model's own names (Mixtral's fused experts.gate_up_proj, not the hub's experts.N.w1), which
-            # resume reads on every backend
-            ctx.hf_model.save_pretrained(directory, state_dict=weights, safe_serialization=True,
-                                         save_original_format=False)
             torch.save(optimizer, directory / checkpointing.OPTIMIZER)
+            written[directory / checkpointing.OPTIMIZER] = None
+            written.update(export.write_model_config(ctx.hf_model, ctx.info.root_class, directory,
+                                                     ctx.config.train.save_dtype))
     else:
-        _save_sharded(state, directory / checkpointing.SHARDED)
+        written.update(_save_sharded(state, directory / checkpointing.SHARDED))
         if is_main:
             ctx.hf_model.config.save_pretrained(directory)
+            written[directory / "config.json"] = None
     rng_file = checkpointing.rng_file(directory, ctx.runtime.rank)
     rng_file.parent.mkdir(exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()}, rng_file)
+    written[rng_file] = None
+    return written
+
+
+def _save_full_weights(state, directory: pathlib.Path) -> dict:
+    """The weights in safetensors shards as save_pretrained names them (the model's own names: Mixtral's fused
+    experts.gate_up_proj, which resume reads on every backend), gathered one parameter at a time (every shard,
+    not only the first process's; a collective under FSDP v1) and written by the process owning its file."""
+    ctx, train = state.ctx, state.ctx.config.train
+    buffers = full_state.persistent_buffers(ctx.hf_model)
+    entries = [export.entry(n.name, n.param, n.shape, train.save_dtype) for n in ctx.named]
+    entries += [export.entry(name, b, b.shape, train.save_dtype) for name, b in buffers.items()]
+    writer = safetensors_shards.Writer(directory, entries, safetensors_shards.parse_size(train.max_shard_size),
+                                       ctx.runtime.rank, ctx.runtime.process_count)
+    for n in ctx.named:  # a fixed order: under FSDP v1 every gather is a collective
+        full = full_state.gather(ctx.runtime, n.param, n.shape)
+        if writer.owner(n.name) == ctx.runtime.rank:
+            writer.write(n.name, export.host_bytes(full, train.save_dtype))
+    for name, buffer in buffers.items():
+        if writer.owner(name) == ctx.runtime.rank:
+            writer.write(name, export.host_bytes(buffer, train.save_dtype))
+    return writer.close()
 
 
 def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
@@ -78,16 +102,24 @@ def _full_optimizer_state(state) -> dict:
 
 
 def _load_full(state, directory: pathlib.Path) -> None:
-    from safetensors.torch import load_file
+    """The weights read one tensor at a time from the files (through the index when split), each placed like the
+    parameter it fills (cast to its dtype: a bfloat16 export resumes into fp32 weights)."""
+    from safetensors import safe_open
 
     ctx = state.ctx
-    weights = full_state_dict_with_ties(ctx.hf_model, load_file(directory / checkpointing.WEIGHTS))
-    missing = [n.name for n in ctx.named if n.name not in weights]
-    if missing:
-        raise UserError("train.resume", f"{directory / checkpointing.WEIGHTS} lacks {', '.join(missing[:3])}: another model")
+    by_name = {n.name: n for n in ctx.named}
+    found = set()
     with torch.no_grad():
-        for n in ctx.named:
-            n.param.data = full_state.place(ctx.runtime, n.param, weights[n.name])
+        for file in safetensors_shards.weight_files(directory, "train.resume"):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key in by_name:
+                        n = by_name[key]
+                        n.param.data = full_state.place(ctx.runtime, n.param, f.get_tensor(key))
+                        found.add(key)
+    missing = [name for name in by_name if name not in found]
+    if missing:
+        raise UserError("train.resume", f"the weights in {directory} lack {', '.join(missing[:3])}: another model")
     optim_file = directory / checkpointing.OPTIMIZER
     if optim_file.exists():
         saved = torch.load(optim_file, weights_only=False)["state"]
@@ -105,21 +137,24 @@ def _set_moments(state, param, saved: dict, place) -> None:
         current[key] = place(current[key], saved[key])
 
 
-def _save_sharded(state, directory: pathlib.Path) -> None:
+def _save_sharded(state, directory: pathlib.Path) -> dict:
+    """Returns {path: None} of the files this process wrote."""
     ctx, optimizer = state.ctx, state.optimizer
     directory.mkdir(parents=True, exist_ok=True)
     steps = {n.name: optimizer.state[n.param]["step"] for n in ctx.named if optimizer.state.get(n.param)}
     if ctx.runtime.spmd:
-        shard_files.save(_device_tensors(state), directory, write_index=ctx.runtime.rank == 0)
+        written = dict.fromkeys(shard_files.save(_device_tensors(state), directory, write_index=ctx.runtime.rank == 0))
         if ctx.runtime.rank == 0:
             torch.save({"step": steps}, directory / "optimizer_steps.pt")
-        return
+            written[directory / "optimizer_steps.pt"] = None
+        return written
     # FSDP v1: each process's flat shards, in one file per process.
     shards = {"world_size": ctx.runtime.world_size,
               "model": {n.name: n.param.detach().cpu() for n in ctx.named},
               "optim": {n.name: {"step": steps[n.name], **{k: optimizer.state[n.param][k].cpu() for k in MOMENTS}}
                         for n in ctx.named if n.name in steps}}
     torch.save(shards, directory / f"rank_{ctx.runtime.rank:05d}.pt")
+    return {directory / f"rank_{ctx.runtime.rank:05d}.pt": None}
 
 
 def _device_tensors(state) -> dict:

@@ -20,7 +20,8 @@ def _file(directory: pathlib.Path, device: str) -> pathlib.Path:
     return directory / f"device_{int(device.rsplit(':', 1)[1]):05d}.safetensors"
 
 
-def save(tensors: dict, directory: pathlib.Path, write_index: bool) -> None:
+def save(tensors: dict, directory: pathlib.Path, write_index: bool) -> list:
+    """Returns the files written."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -33,10 +34,13 @@ def save(tensors: dict, directory: pathlib.Path, write_index: bool) -> None:
             per_device.setdefault(device, {})[name] = data.contiguous()
     for device, blob in per_device.items():
         save_file(blob, _file(directory, device))
+    written = [_file(directory, device) for device in per_device]
     if write_index:
         index = {name: {"shape": list(t.shape), "dtype": str(t.dtype),
                         "sharding": torch_xla._XLAC._get_xla_sharding_spec(t)} for name, t in tensors.items()}
         (directory / INDEX).write_text(json.dumps(index, indent=1))
+        written.append(directory / INDEX)
+    return written
 
 
 def load(tensors: dict, directory: pathlib.Path) -> None:

@@ -221,10 +221,12 @@ def memory_report(state: TrainState) -> dict:
 def placement(state: TrainState) -> Placement:
     runtime = state.ctx.runtime
     dp_rank, dp_size = runtime.data_parallel
-    return Placement(rank=runtime.rank, world_size=runtime.world_size, dp_rank=dp_rank, dp_size=dp_size)
+    return Placement(rank=runtime.rank, world_size=runtime.world_size, dp_rank=dp_rank, dp_size=dp_size,
+                     process_count=runtime.process_count)
 
 
-def barrier(state: TrainState) -> None:
+def barrier(state: TrainState, timeout_s: float | None = None) -> None:
+    """xm.rendezvous, which train.collective_timeout_s does not bound: `timeout_s` has nothing to lengthen."""
     rt.barrier(state.ctx.runtime)
 
 

@@ -205,3 +205,84 @@ def test_latest_pointing_to_missing_dir(tmp_path):
 
 def test_latest_without_checkpoints_dir(tmp_path):
     assert ckpt.latest(tmp_path / "never_used") is None
+
+
+# ------------------------------------------------- checksums by the ranks that write, checks shared on resume
+
+def test_ranks_report_their_own_checksums_and_the_commit_gathers_them(tmp_path, monkeypatch):
+    staging = ckpt.prepare_staging(tmp_path, 3)
+    files = {0: {"model-00001-of-00002.safetensors": b"a" * 64, "rng/rank_00000.pt": b"r0"},
+             1: {"model-00002-of-00002.safetensors": b"b" * 32, "rng/rank_00001.pt": b"r1"}}
+    for rank, mine in files.items():
+        written = {}
+        for rel, data in mine.items():
+            (staging / rel).parent.mkdir(exist_ok=True)
+            (staging / rel).write_bytes(data)
+            written[staging / rel] = None
+        ckpt.write_report(staging, rank, written)
+    (staging / "config.json").write_text("{}")  # written by rank 0 but not reported: checksummed at the commit
+    hashed = []
+    real = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    final = ckpt.commit(tmp_path, 3, {"backend": "cpu"}, keep_last_n=2)
+    assert hashed == ["config.json"]  # rank 0 hashed nothing another rank reported
+    listing = ckpt.read_manifest(final)["files"]
+    assert set(listing) == {"config.json", *files[0], *files[1]}
+    assert listing["model-00002-of-00002.safetensors"] == {"bytes": 32, "sha256": hashlib.sha256(b"b" * 32).hexdigest()}
+    assert not (final / ckpt.REPORTS).exists()
+    monkeypatch.setattr(ckpt, "_sha256", real)
+    assert ckpt.verify(final)["step"] == 3
+
+
+def test_a_digest_computed_while_writing_is_taken_as_given(tmp_path):
+    staging = ckpt.prepare_staging(tmp_path, 1)
+    (staging / "w.bin").write_bytes(b"xyz")
+    digest = {"bytes": 3, "sha256": hashlib.sha256(b"xyz").hexdigest()}
+    ckpt.write_report(staging, 0, {staging / "w.bin": digest})
+    assert json.loads((staging / ckpt.REPORTS / "rank_00000.json").read_text()) == {"w.bin": digest}
+
+
+def manifest_of(sizes):
+    return {"files": {name: {"bytes": size, "sha256": ""} for name, size in sizes.items()}}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_each_file_is_verified_by_one_rank_and_the_bytes_are_shared(world_size):
+    sizes = {f"model-{i:05d}.safetensors": 5_000 for i in range(12)} | {"optimizer.pt": 9_000, "config.json": 700,
+                                                                          "rng/rank_00000.pt": 10}
+    manifest = manifest_of(sizes)
+    shares = [ckpt.verify_share(manifest, rank, world_size) for rank in range(world_size)]
+    assert sorted(n for share in shares for n in share) == sorted(sizes)  # every file once
+    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())  # within one file of each other
+
+
+def test_a_corrupt_file_is_found_by_the_rank_whose_share_it_is(tmp_path):
+    final = save(tmp_path, 4, {"a.bin": b"a" * 100, "b.bin": b"b" * 90, "c.bin": b"c" * 10})
+    manifest = ckpt.read_manifest(final)
+    owner = next(r for r in range(2) if "b.bin" in ckpt.verify_share(manifest, r, 2))
+    (final / "b.bin").write_bytes(b"B" * 90)  # same size: only a checksum finds it
+    ckpt.verify(final, 1 - owner, 2)
+    with user_error("train.resume", "b.bin does not match its checksum"):
+        ckpt.verify(final, owner, 2)
+    (final / "c.bin").write_bytes(b"c" * 9)  # a size every rank checks
+    for rank in range(2):
+        with user_error("train.resume", "c.bin does not match its checksum"):
+            ckpt.verify(final, rank, 2)
+
+
+def test_the_waits_of_a_70b_save_grow_with_its_bytes():
+    """Llama-3-70B in fp32 with AdamW: 70.6e9 parameters x (4 + 8) bytes = 847 GB. At 100 MB/s one rank may
+    take 8,470 s to write (or hash) that, far past the 300 s collective timeout that bounded the old barrier."""
+    n_params = 70_553_706_496
+    nbytes = ckpt.checkpoint_bytes(n_params)
+    assert nbytes == 846_644_477_952
+    assert ckpt.checkpoint_bytes(n_params, weight_bytes=2) == n_params * 10  # a bfloat16 export
+    bound = ckpt.wait_bound_s(n_params, floor_s=300)
+    assert bound == pytest.approx(300 + 8466.44, abs=0.01)
+    assert 300 * ckpt.IO_BYTES_PER_S < nbytes / 28  # the old 300 s allowed 30 GB at that rate, 1/28 of it
+    # The waits left inside a collective of the default timeout (a FULL save gathers one tensor at a time): the
+    # largest tensor's write, the 128,256 x 8,192 fp32 embedding: 4.2 GB, 42 s at the same rate.
+    embedding = 128_256 * 8_192 * 4
+    assert ckpt.io_timeout_s(embedding, floor_s=0) == pytest.approx(42.0, abs=0.1)
+    assert ckpt.wait_bound_s(1000, floor_s=300) == pytest.approx(300, abs=0.001)  # small models: the floor

@@ -55,7 +55,7 @@ class ScriptedBackend:
     def predict_step(self, state, batch):
         raise AssertionError("no compute_metrics configured")
 
-    def barrier(self, state):
+    def barrier(self, state, timeout_s=None):
         pass
 
     def any_rank(self, state, flag):
