@@ -90,6 +90,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.loss_chunk_tokens = 1024
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     c.train.progress_bar = True
+    # rank 0's records also go to: none, all (every one installed), tensorboard, wandb, or tensorboard,wandb
+    c.train.report_to = "none"
+    c.train.wandb_project = ""  # report_to=wandb: the W&B project; empty = "portable_fsdp"
     c.train.collective_timeout_s = 300
     c.train.check_fit = False  # estimate memory per rank first (portable_fsdp.estimate); refuse a run that cannot fit
 

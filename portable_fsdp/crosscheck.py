@@ -20,6 +20,7 @@ import tempfile
 from portable_fsdp import backends
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
+from portable_fsdp.plot import pyplot, save_figure
 from portable_fsdp.run import Parser, config_overrides, default_workdir
 
 
@@ -101,11 +102,7 @@ def render(results: dict, rows: list, rtol: float) -> str:
 
 
 def plot(results: dict, rows: list, path: pathlib.Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     steps = [r["step"] for r in rows]
     for name, result in results.items():
@@ -116,10 +113,7 @@ def plot(results: dict, rows: list, path: pathlib.Path, title: str) -> None:
     bottom.semilogy(steps, [max(r["max_rel_diff"], 1e-12) for r in rows], color="black")
     bottom.set_ylabel("max relative diff")
     bottom.set_xlabel("step")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def main(argv=None) -> int:

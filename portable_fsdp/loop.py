@@ -19,6 +19,7 @@ from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.interrupts import InterruptFlag
 from portable_fsdp.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
+from portable_fsdp.trackers import open_trackers
 
 
 @dataclasses.dataclass
@@ -73,7 +74,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         print(f"warning: train.resume=true but {workdir} holds no checkpoint to resume from; starting from step 0",
               file=sys.stderr, flush=True)
     start = state.step
-    log = MetricsLog(workdir, is_main)
+    reported = open_trackers(config, workdir, start, {"backend": backend_name, "world_size": where.world_size}) \
+        if is_main else None
+    log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     progress = Progress(t.steps, start, is_main and t.progress_bar)
     model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len,

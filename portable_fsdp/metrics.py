@@ -17,20 +17,26 @@ def flops_per_token(n_params: int, n_layers: int, hidden_size: int, seq_len: int
 
 
 class MetricsLog:
-    """One JSON object per line in <workdir>/metrics.jsonl, written by rank 0 only."""
+    """One JSON object per line in <workdir>/metrics.jsonl, written by rank 0 only; `trackers` (rank 0's
+    portable_fsdp.trackers.Trackers, or None) receive the same records."""
 
-    def __init__(self, workdir: pathlib.Path, enabled: bool):
+    def __init__(self, workdir: pathlib.Path, enabled: bool, trackers=None):
         self.enabled = enabled
         self._file = open(workdir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+        self._trackers = trackers if enabled else None
 
     def write(self, record: dict) -> None:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._trackers:
+            self._trackers.log(record)
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._trackers:
+            self._trackers.close()
 
 
 class Progress:

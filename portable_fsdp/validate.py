@@ -6,7 +6,7 @@ import enum
 import math
 import warnings
 
-from portable_fsdp import capabilities, plan as plan_lib
+from portable_fsdp import capabilities, plan as plan_lib, trackers
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import flat_fields
 from portable_fsdp.errors import UserError
@@ -115,6 +115,7 @@ def check_train_fields(config, data_parallel_size: int) -> None:
         if t[name] and not t.eval_every:
             raise UserError(f"train.{name}", "needs evaluations during training: set train.eval_every > 0")
     resolve_metrics(t.compute_metrics)
+    trackers.resolve(t.report_to)  # a tracker that is not installed: one line before anything starts
     _check_checkpoint_fields(t)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")

@@ -61,6 +61,8 @@ CASES = [
      'error: train.early_stopping_patience: needs evaluations during training: set train.eval_every > 0'),
     (['--config.train.compute_metrics=nope:nothing'],
      "error: train.compute_metrics: cannot import 'nope:nothing'; use one of token_accuracy or 'package.module:function'"),
+    (['--config.train.report_to=tensorboard,mlflow'],
+     "error: train.report_to: unknown tracker 'mlflow'; choose none, all, tensorboard, wandb or tensorboard,wandb"),
     (['--config.plan.ep_size=2'],
      'error: plan.ep_size: 2 needs a mixture-of-experts model; LlamaForCausalLM is dense (no experts to split): set plan.ep_size=1'),
     (['--config.plan.tp_size=4', '--nproc', '4'],
