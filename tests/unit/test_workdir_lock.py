@@ -106,7 +106,7 @@ def test_without_flock_a_live_pid_on_this_host_holds_it(tmp_path, monkeypatch):
 
 def test_another_machines_lock_holds_while_its_heartbeat_is_fresh(tmp_path, capsys):
     plant(tmp_path, host="node-7", pid=4242)
-    with user_error("--workdir", f"(host node-7, pid 4242, started 2026-01-01 00:00:00 +0000); choose another "
+    with user_error("--workdir", "(host node-7, pid 4242, started 2026-01-01 00:00:00 +0000); choose another "
                     "--workdir, or stop that run first (if it is no longer running, delete "):
         workdir_lock.acquire(tmp_path)
     old = time.time() - workdir_lock.STALE_S - 60
