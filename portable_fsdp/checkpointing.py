@@ -96,6 +96,38 @@ def digest(path: pathlib.Path) -> dict:
     return {"bytes": pathlib.Path(path).stat().st_size, "sha256": _sha256(path)}
 
 
+class HashingWriter:
+    """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`): the digest
+    of what a rank writes without reading it back. `digest` ({"bytes", "sha256"}) is set once it is closed
+    (fsynced)."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path, self.digest = pathlib.Path(path), None
+        self._file, self._hash, self._bytes = open(path, "wb"), hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._bytes += view.nbytes
+        return self._file.write(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self.digest = {"bytes": self._bytes, "sha256": self._hash.hexdigest()}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def io_timeout_s(nbytes: float, floor_s: float) -> float:
     """How long ranks may wait on one another around writing or hashing `nbytes` (one rank may do it all)."""
     return floor_s + nbytes / IO_BYTES_PER_S

@@ -35,8 +35,10 @@ def save_checkpoint(state: TrainState, directory: pathlib.Path) -> dict:
     _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
     import torch
 
-    torch.save(optimizer_state, directory / checkpointing.OPTIMIZER)
-    for name in ("config.json", "generation_config.json", checkpointing.OPTIMIZER):
+    with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
+        torch.save(optimizer_state, f)
+    written[f.path] = f.digest
+    for name in ("config.json", "generation_config.json"):
         written[directory / name] = None
     return written
 

@@ -37,8 +37,9 @@ def save_checkpoint(state, directory: pathlib.Path) -> dict:
         written.update(_save_full_weights(state, directory))
         optimizer = _full_optimizer_state(state)
         if is_main:
-            torch.save(optimizer, directory / checkpointing.OPTIMIZER)
-            written[directory / checkpointing.OPTIMIZER] = None
+            with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
+                torch.save(optimizer, f)
+            written[f.path] = f.digest
             written.update(export.write_model_config(ctx.hf_model, ctx.info.root_class, directory,
                                                      ctx.config.train.save_dtype))
     else:

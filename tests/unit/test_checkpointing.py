@@ -286,3 +286,13 @@ def test_the_waits_of_a_70b_save_grow_with_its_bytes():
     embedding = 128_256 * 8_192 * 4
     assert ckpt.io_timeout_s(embedding, floor_s=0) == pytest.approx(42.0, abs=0.1)
     assert ckpt.wait_bound_s(1000, floor_s=300) == pytest.approx(300, abs=0.001)  # small models: the floor
+
+
+def test_a_file_written_through_hashing_writer_is_checksummed_on_the_way(tmp_path):
+    pieces = [b"header", bytearray(b"x" * 1000), memoryview(b"tail")]
+    with ckpt.HashingWriter(tmp_path / "optimizer.pt") as f:
+        for piece in pieces:
+            f.write(piece)
+    data = (tmp_path / "optimizer.pt").read_bytes()
+    assert data == b"".join(bytes(p) for p in pieces)
+    assert f.digest == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} == ckpt.digest(f.path)

@@ -1,0 +1,157 @@
+"""Checkpoint save and resume against the disk's own rate: a ~1.1 GB (fp32) Llama, 2 CPU ranks (gloo), FULL and
+SHARDED checkpoints, each save and resume timed end to end and compared with a raw write (then read) of the same
+number of bytes on the same disk, measured in the same run.
+
+    python -m benchmarks.checkpoint_io            # ~272M parameters: 3.3 GB checkpoints with AdamW (~4 min)
+    python -m benchmarks.checkpoint_io --quick    # a tiny model: checks the script works, measures nothing
+
+The workers start under torchrun and run the product's own code: `backend.init`, one training step (AdamW's state
+then exists), `loop.save` (stage, write, each rank checksumming its files, barriers, rank 0's commit of the
+manifest) and `loop._resume` (each rank's share of the checksums, the load). The files are dropped from the page
+cache (posix_fadvise DONTNEED, after their fsync) before the resume reads them, as a fresh job would find them.
+The raw rate: one process writes the checkpoint's byte count in 64 MiB blocks and fsyncs (`dd conv=fsync`), drops
+it from the cache, reads it back. "x raw" is the save (resume) time over the raw write (read) time of its bytes:
+1.0 would be the disk's speed. Results: benchmarks/results/checkpoint_io.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+from benchmarks.common import ROOT, machine, table, torchrun, write_json
+
+# hidden 1024, 16 layers, 32k vocabulary, untied: 272M parameters, 1.09 GB of fp32 weights
+MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}
+QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}
+LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+BLOCK = 64 * 2**20
+
+
+def _drop_cache(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _files(directory: pathlib.Path) -> list:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def raw_rates(directory: pathlib.Path, nbytes: int) -> dict:
+    """Seconds to write `nbytes` (64 MiB blocks, then fsync) and to read them back from the disk."""
+    block = os.urandom(BLOCK)
+    path = directory / "raw.bin"
+    began = time.perf_counter()
+    with open(path, "wb") as f:
+        for offset in range(0, nbytes, BLOCK):
+            f.write(block[: min(BLOCK, nbytes - offset)])
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - began
+    _drop_cache([path])
+    began = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(BLOCK):
+            pass
+    read_s = time.perf_counter() - began
+    path.unlink()
+    return {"write_s": write_s, "read_s": read_s}
+
+
+def _worker(spec: dict) -> None:
+    import torch.distributed as dist
+
+    from portable_fsdp import backends, checkpointing, loop
+    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.data.loader import TrainBatches, build_token_data
+    from portable_fsdp.validate import resolve_plan
+
+    config = load_recipe(None)
+    for key, value in {**{f"model.{k}": v for k, v in spec["model"].items()}, "data.seq_len": 32,
+                       "train.batch_size": 2, "train.progress_bar": False}.items():
+        apply_override(config, key, str(value).lower() if isinstance(value, bool) else str(value))
+    world = int(os.environ["WORLD_SIZE"])
+    plan = resolve_plan(config, world)
+    backend = backends.load("cpu")
+    state = backend.init(config, plan, "cpu")
+    rank = backend.placement(state).rank
+    data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
+    batches = TrainBatches(data.train, config.train.batch_size, 1, config.seed, None)
+    state, _ = backend.train_step(state, batches.micro_batches(0, rank, world))  # AdamW's state now exists
+    results = {"n_params": backend.model_info(state).n_params}
+    for layout in LAYOUTS:
+        workdir = pathlib.Path(spec["workdir"]) / layout
+        layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
+        state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
+        info = loop._manifest_info(config, layout_plan, "cpu", backend.placement(state))
+        backend.barrier(state)
+        began = time.perf_counter()
+        final = loop.save(backend, state, workdir, info, keep_last_n=1, is_main=rank == 0)
+        save_s = time.perf_counter() - began
+        _drop_cache(_files(final))
+        backend.barrier(state)
+        began = time.perf_counter()
+        state = loop._resume(backend, state, final, config, "cpu")
+        backend.barrier(state)
+        resume_s = time.perf_counter() - began
+        results[layout] = {"bytes": checkpointing.total_bytes(checkpointing.read_manifest(final)),
+                           "files": len(checkpointing.read_manifest(final)["files"]),
+                           "save_s": save_s, "resume_s": resume_s}
+        if rank == 0:
+            results[layout]["raw"] = raw_rates(pathlib.Path(spec["workdir"]), results[layout]["bytes"])
+        backend.barrier(state)
+        if rank == 0:
+            shutil.rmtree(workdir)
+    if rank == 0:
+        pathlib.Path(spec["out"]).write_text(json.dumps(results))
+    dist.barrier()
+    backend.finalize(state)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny model: measures nothing")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--dir", help="where the checkpoints go (default: a temporary directory)")
+    parser.add_argument("--worker", help="internal: the run's JSON spec")
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        spec = {"model": QUICK_MODEL if args.quick else MODEL, "workdir": tmp, "out": os.path.join(tmp, "out.json")}
+        torchrun(args.nproc, ["benchmarks.checkpoint_io", "--worker", json.dumps(spec)], timeout=3600,
+                 env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+        results = json.loads(pathlib.Path(spec["out"]).read_text())
+    rows = []
+    for layout in LAYOUTS:
+        r = results[layout]
+        gb, raw = r["bytes"] / 1e9, r["raw"]
+        rows.append([layout.split("_")[0], f"{gb:.2f}", r["files"],
+                     f"{r['save_s']:.1f}", f"{gb * 1e3 / r['save_s']:,.0f}", f"{raw['write_s']:.1f}",
+                     f"{r['save_s'] / raw['write_s']:.2f}",
+                     f"{r['resume_s']:.1f}", f"{gb * 1e3 / r['resume_s']:,.0f}", f"{raw['read_s']:.1f}",
+                     f"{r['resume_s'] / raw['read_s']:.2f}"])
+    print(f"{results['n_params'] / 1e6:.0f}M parameters, {args.nproc} CPU ranks")
+    print(table(["layout", "GB", "files", "save s", "save MB/s", "raw write s", "save x raw",
+                 "resume s", "resume MB/s", "raw read s", "resume x raw"], rows))
+    if not args.quick:
+        write_json(ROOT / "benchmarks" / "results" / "checkpoint_io.json",
+                   {"model": MODEL, "nproc": args.nproc, "machine": machine(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
