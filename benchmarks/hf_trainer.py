@@ -113,7 +113,8 @@ def _worker(spec: dict) -> None:
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     # Our packed sequences of seq_len + 1 tokens, labels shifted once here as in our step: `shift_labels` is
     # used as-is by the Llama loss; `labels` (the same tensor) only makes the model compute a loss.
-    dataset = [{"input_ids": s[:-1], "labels": s[1:], "shift_labels": s[1:]} for s in torch.from_numpy(data.train)]
+    rows = torch.from_numpy(data.train.astype("int64"))  # the token cache stores uint16
+    dataset = [{"input_ids": s[:-1], "labels": s[1:], "shift_labels": s[1:]} for s in rows]
     t = config.train
     args = TrainingArguments(
         output_dir=spec["output_dir"], max_steps=t.steps, per_device_train_batch_size=t.batch_size // world,

@@ -23,7 +23,7 @@ import pathlib
 
 from portable_fsdp import backends, checkpointing, loop
 from portable_fsdp.config import apply_override, command_line_text, load_recipe
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
@@ -101,14 +101,9 @@ class Batches:
     step `step` (a list of `data.loader.Batch`, `train.grad_accum_steps` long); `eval` -> the eval batches."""
 
     def __init__(self, config, backend, state):
-        t = config.train
         where = backend.placement(state)
-        data = build_token_data(config.data, backend.model_info(state).vocab_size, min_train_sequences=t.batch_size)
-        documents_end_at = data.eos_token_id if config.data.document_masking else None
-        self._train = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
+        self._train, self.eval = open_data(config, backend.model_info(state).vocab_size, where.dp_rank, where.dp_size)
         self._where = where
-        self.eval = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches,
-                                 documents_end_at)
 
     def train(self, step: int) -> list:
         return self._train.micro_batches(step, self._where.dp_rank, self._where.dp_size)

@@ -46,12 +46,25 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attn_implementation = "sdpa"
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "bundled"  # "bundled", a local text file, or a local `datasets` file / saved directory
+    # "bundled", a local text file, a local `datasets` file (.jsonl/.csv/.parquet) / save_to_disk directory, or a hub
+    # dataset id org/name (downloaded online, else read from the Hugging Face cache)
+    c.data.source = "bundled"
+    c.data.name = ""  # a hub dataset's configuration
+    c.data.split = "train"  # the split of a hub dataset or a saved DatasetDict
+    c.data.revision = ""  # a hub dataset's branch, tag or commit; empty = main
     c.data.text_column = "text"
+    # "text", or "chat": rows of messages rendered by the tokenizer's chat template, the loss on assistant tokens only
+    c.data.format = "text"
+    c.data.messages_column = "messages"  # format=chat: the column of [{role, content}, ...]
     c.data.tokenizer = "byte"  # "byte" or a local tokenizer directory (AutoTokenizer.from_pretrained)
     c.data.seq_len = 128
     c.data.eval_fraction = 0.05
     c.data.document_masking = False  # packed documents attend only within themselves (position ids restart)
+    # the token cache (portable_fsdp/data/cache.py): "" = $PORTABLE_FSDP_DATA_CACHE or ~/.cache/portable_fsdp/data
+    c.data.cache_dir = ""
+    c.data.num_proc = 0  # processes that tokenise into the cache; 0 = one per CPU (at most 16)
+    c.data.streaming = False  # read, tokenise and pack the corpus while training (no cache), in corpus order
+    c.data.eval_sequences = 64  # streaming: the stream's first sequences, held out as the eval split
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300

@@ -14,7 +14,7 @@ import warnings
 
 from portable_fsdp import backends, checkpointing, worker, workdir_lock
 from portable_fsdp.accelerate_launch import LaunchSettings
-from portable_fsdp.data.loader import build_token_data
+from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
 from portable_fsdp.validate import check_backend, resolve_plan
@@ -41,7 +41,7 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
 
         check_fit(config, backend_name, world_size, device or backend_name,
                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    build_token_data(config.data, info.vocab_size, min_train_sequences=config.train.batch_size)
+    check_data(config, info.vocab_size)  # and tokenise into the token cache: the workers only map it
     prepare_workdir(workdir, config, backend_name, claim)
     return plan
 

@@ -13,7 +13,7 @@ import time
 
 from portable_fsdp import checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.loader import DATA_STATE, open_data
 from portable_fsdp.data.tokenizers import save_for_generation
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics
@@ -61,15 +61,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     where = backend.placement(state)
     is_main = where.rank == 0
     info = backend.model_info(state)
-    data = build_token_data(config.data, info.vocab_size, min_train_sequences=t.batch_size)
-    documents_end_at = data.eos_token_id if config.data.document_masking else None
-    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
-    evals = eval_batches(data.eval, t.eval_batch_size, where.dp_rank, where.dp_size, t.eval_max_batches,
-                         documents_end_at)
+    batches, evals = open_data(config, info.vocab_size, where.dp_rank, where.dp_size)
     metrics_fn = resolve_metrics(t.compute_metrics)
     manifest_info = _manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
         state = _resume(backend, state, checkpointing.latest(workdir), config, backend_name)
+        batches.restore(checkpointing.latest(workdir), state.step)  # a streamed corpus: where it stood
     elif t.resume and is_main:  # e.g. the first start of a job that always passes resume=true
         print(f"warning: train.resume=true but {workdir} holds no checkpoint to resume from; starting from step 0",
               file=sys.stderr, flush=True)
@@ -127,7 +124,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         due = (t.save_every and done % t.save_every == 0) or done == t.steps or stop_reason
         if due or (improved and t.load_best_model_at_end):
             saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main,
-                         best=dataclasses.asdict(best) if improved and t.load_best_model_at_end else None)
+                         best=dataclasses.asdict(best) if improved and t.load_best_model_at_end else None,
+                         data_state=batches.state_at(done))
         if interrupted:
             progress.close()
             raise Interrupted(interrupt.requested or "a signal on another rank", saved)
@@ -183,9 +181,10 @@ def _io_timeout(backend, state, train) -> float:
 
 
 def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
-         best: dict | None = None) -> pathlib.Path:
+         best: dict | None = None, data_state: dict | None = None) -> pathlib.Path:
     """Stage, write (each rank checksumming its own files), then commit atomically on rank 0 (see
-    portable_fsdp.checkpointing). The waits allow for the bytes to write (checkpointing.io_timeout_s)."""
+    portable_fsdp.checkpointing). The waits allow for the bytes to write (checkpointing.io_timeout_s).
+    `data_state`: the loader's position (a streamed corpus), kept as data_state.json."""
     rank = backend.placement(state).rank
     timeout = _io_timeout(backend, state, info["config"]["train"])
     staging = checkpointing.staging_dir(workdir, state.step)
@@ -196,6 +195,9 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is
     written = dict(backend.save_checkpoint(state, staging) or {})
     if is_main:  # what pipeline("text-generation", model=<checkpoint>) needs besides the model
         written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
+        if data_state is not None:
+            (staging / DATA_STATE).write_text(json.dumps(data_state) + "\n")
+            written[staging / DATA_STATE] = None
     checkpointing.write_report(staging, rank, written)
     faults.check("save.written", rank, state.step)
     backend.barrier(state, timeout_s=timeout)

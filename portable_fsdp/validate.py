@@ -134,6 +134,10 @@ def check_train_fields(config, data_parallel_size: int) -> None:
     _positive(d.seq_len, "data.seq_len")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError("data.eval_fraction", f"must be in (0, 1) (got {d.eval_fraction})")
+    if d.format not in ("text", "chat"):
+        raise UserError("data.format", f"unknown value {d.format!r}; choose text or chat")
+    _positive(d.num_proc, "data.num_proc", allow_zero=True)
+    _positive(d.eval_sequences, "data.eval_sequences")
     if not m.init_from and not m.config_from:  # else the sizes are the config.json's
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):

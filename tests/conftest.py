@@ -2,6 +2,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -11,6 +12,10 @@ TEST_RECIPE = str(ROOT / "configs" / "llama_tiny.py") + ":test"
 # Subprocesses see only the project: no hub, no torch_xla probing, one thread each on 2 cores.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("USE_TORCH_XLA", "0")
+# The token cache (portable_fsdp/data/cache.py) of every test and its subprocesses: out of the user's home, kept
+# between sessions (its keys change with the files tokenised).
+os.environ.setdefault("PORTABLE_FSDP_DATA_CACHE", os.path.join(tempfile.gettempdir(),
+                                                               f"portable_fsdp-test-data-{os.getuid()}"))
 
 
 def cli(args, cwd, timeout=300, env=None):

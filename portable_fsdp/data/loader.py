@@ -3,18 +3,24 @@
 Labels are shifted over the whole sequence here, once, before any backend shards a batch: each
 sequence holds `seq_len + 1` tokens, inputs are the first `seq_len`, labels the last `seq_len`.
 The batch for a step depends only on (seed, step), so resuming at step k replays exactly.
+
+The token stream comes from the token cache (portable_fsdp/data/cache.py), memory-mapped: sequences are
+strided views into it (consecutive ones share one token), read a batch at a time, so a process's memory does not
+grow with the corpus. With data.streaming the corpus is read as it trains instead (portable_fsdp/data/streaming.py).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import numpy as np
 
-from portable_fsdp.data.sources import read_documents
-from portable_fsdp.data.tokenizers import load_tokenizer
+from portable_fsdp.data.sources import resolve_source
+from portable_fsdp.data.tokenizers import load_tokenizer, require_chat_template
 from portable_fsdp.errors import UserError
 
 IGNORE_INDEX = -100
+DATA_STATE = "data_state.json"  # in a checkpoint: where a streamed corpus was when it was saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,38 +38,99 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class TokenData:
-    train: np.ndarray  # [n_train, seq_len + 1]
+    train: np.ndarray  # [n_train, seq_len + 1], a read-only view of the cached stream (uint16 / uint32)
     eval: np.ndarray  # [n_eval, seq_len + 1]
     vocab_size: int
     eos_token_id: int
+    # data.format=chat: 1 where a token is an assistant's (takes a loss), same shapes; None for text
+    train_loss_mask: np.ndarray | None = None
+    eval_loss_mask: np.ndarray | None = None
 
 
-def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int) -> TokenData:
+def load_checked_tokenizer(data_cfg, model_vocab_size: int):
     tokenizer = load_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > model_vocab_size:
         raise UserError("model.vocab_size", (
             f"{model_vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; token ids would "
             f"index past the embedding: set model.vocab_size >= {tokenizer.vocab_size}"))
-    tokens = tokenizer.encode_documents(read_documents(data_cfg.source, data_cfg.text_column))
-    window = data_cfg.seq_len + 1
-    n_sequences = max(0, (len(tokens) - 1) // data_cfg.seq_len)
+    if data_cfg.format == "chat":
+        require_chat_template(tokenizer)
+    return tokenizer
+
+
+def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int, wait_s: float = 300.0) -> TokenData:
+    """The packed sequences of data.source, from the token cache (built first when missing; `wait_s`: how long a
+    rank other than node-local rank 0 waits for its builder's next sign of life)."""
+    from portable_fsdp.data.cache import token_stream
+
+    tokenizer = load_checked_tokenizer(data_cfg, model_vocab_size)
+    stream = token_stream(data_cfg, resolve_source(data_cfg), tokenizer, wait_s)
+    tokens = stream.tokens
+    sequences = windows(tokens, data_cfg.seq_len)
+    n_sequences = len(sequences)
     n_eval = max(1, int(n_sequences * data_cfg.eval_fraction))
     if n_sequences - n_eval < min_train_sequences:
         raise UserError("data.source", (
             f"{data_cfg.source} gives {len(tokens)} tokens = {n_sequences} sequences of data.seq_len="
             f"{data_cfg.seq_len}, too few for {n_eval} eval sequences and one global batch of "
             f"{min_train_sequences}; use more text or a shorter data.seq_len"))
-    # Consecutive windows overlap by one token, so every token is a label exactly once.
-    starts = np.arange(n_sequences) * data_cfg.seq_len
-    sequences = tokens[starts[:, None] + np.arange(window)[None, :]].astype(np.int64)
-    return TokenData(train=sequences[: n_sequences - n_eval], eval=sequences[n_sequences - n_eval:],
-                     vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
+    split = n_sequences - n_eval
+    masks = windows(stream.loss_mask, data_cfg.seq_len) if stream.loss_mask is not None else None
+    return TokenData(train=sequences[:split], eval=sequences[split:], vocab_size=tokenizer.vocab_size,
+                     eos_token_id=tokenizer.eos_token_id,
+                     train_loss_mask=None if masks is None else masks[:split],
+                     eval_loss_mask=None if masks is None else masks[split:])
 
 
-def _as_batch(sequences: np.ndarray, documents_end_at: int | None = None) -> Batch:
-    """`documents_end_at`: the eos id, to keep packed documents apart (else one causal stream per row)."""
+def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """[n, seq_len + 1] read-only view of a flat stream: row i is tokens[i*seq_len : (i+1)*seq_len + 1].
+    Consecutive windows overlap by one token, so every token is a label exactly once."""
+    n = max(0, (len(tokens) - 1) // seq_len)
+    if n == 0:
+        return np.zeros((0, seq_len + 1), dtype=tokens.dtype)
+    step = tokens.strides[0]
+    return np.lib.stride_tricks.as_strided(tokens, shape=(n, seq_len + 1), strides=(seq_len * step, step),
+                                           writeable=False)
+
+
+def check_data(config, model_vocab_size: int) -> None:
+    """Before any worker starts: the data can be read and gives one global batch and an eval split (and the token
+    cache is built, so that the workers only map it)."""
+    if config.data.streaming:
+        from portable_fsdp.data.streaming import StreamingBatches
+
+        StreamingBatches.check(config, model_vocab_size)
+    else:
+        build_token_data(config.data, model_vocab_size, min_train_sequences=config.train.batch_size,
+                         wait_s=config.train.collective_timeout_s)
+
+
+def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tuple:
+    """(train batches, eval batches) of this data-parallel rank, as the training loop reads them."""
+    t = config.train
+    if config.data.streaming:
+        from portable_fsdp.data.streaming import StreamingBatches
+
+        train = StreamingBatches(config, model_vocab_size)
+        return train, train.eval_batches(t.eval_batch_size, dp_rank, dp_size, t.eval_max_batches)
+    data = build_token_data(config.data, model_vocab_size, min_train_sequences=t.batch_size,
+                            wait_s=t.collective_timeout_s)
+    documents_end_at = data.eos_token_id if config.data.document_masking else None
+    train = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at,
+                         loss_mask=data.train_loss_mask)
+    evals = eval_batches(data.eval, t.eval_batch_size, dp_rank, dp_size, t.eval_max_batches, documents_end_at,
+                         loss_mask=data.eval_loss_mask)
+    return train, evals
+
+
+def _as_batch(sequences: np.ndarray, documents_end_at: int | None = None, loss_mask: np.ndarray | None = None) -> Batch:
+    """`documents_end_at`: the eos id, to keep packed documents apart (else one causal stream per row).
+    `loss_mask`: 1 where a token takes a loss (chat data: assistant tokens), same shape as `sequences`."""
+    rows = np.asarray(sequences, dtype=np.int64)  # the cache's uint16/uint32 rows as int64 ids
     # Copies, not views: inputs and labels of one row overlap in memory, and eval padding writes labels.
-    batch = Batch(input_ids=sequences[:, :-1].copy(), labels=sequences[:, 1:].copy())
+    batch = Batch(input_ids=rows[:, :-1].copy(), labels=rows[:, 1:].copy())
+    if loss_mask is not None:
+        batch.labels[np.asarray(loss_mask)[:, 1:] == 0] = IGNORE_INDEX
     if documents_end_at is None:
         return batch
     ends = batch.input_ids == documents_end_at
@@ -80,9 +147,10 @@ class TrainBatches:
     each a fresh permutation seeded by (seed, epoch)."""
 
     def __init__(self, sequences: np.ndarray, global_batch: int, grad_accum: int, seed: int,
-                 documents_end_at: int | None = None):
+                 documents_end_at: int | None = None, loss_mask: np.ndarray | None = None):
         self.documents_end_at = documents_end_at
         self.sequences = sequences
+        self.loss_mask = loss_mask
         self.global_batch = global_batch
         self.grad_accum = grad_accum
         self.seed = seed
@@ -107,29 +175,58 @@ class TrainBatches:
         batches = []
         for m in range(self.grad_accum):
             start = m * per_micro + dp_rank * per_rank
-            batches.append(_as_batch(self.sequences[indices[start:start + per_rank]], self.documents_end_at))
+            rows = indices[start:start + per_rank]
+            mask = None if self.loss_mask is None else self.loss_mask[rows]
+            batches.append(_as_batch(self.sequences[rows], self.documents_end_at, mask))
         return batches
 
     def epoch_of(self, step: int) -> float:
         return step * self.global_batch / len(self.sequences)
 
+    def state_at(self, step: int) -> dict | None:
+        """What a checkpoint at `step` must keep to resume these batches: nothing, (seed, step) decides them."""
+        return None
+
+    def restore(self, checkpoint, step: int) -> None:
+        """Continue from a checkpoint of step `step`: nothing to do, (seed, step) decides the batches."""
+
+
+class EvalBatches(collections.abc.Sequence):
+    """Every rank gets the same number of batches (collectives stay matched): the tail is padded with
+    rows whose labels are all ignored, so they count for nothing. Each batch is cut from the sequences when
+    asked for, so the eval split is never copied whole."""
+
+    def __init__(self, sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int = 0,
+                 documents_end_at: int | None = None, loss_mask: np.ndarray | None = None):
+        self.sequences, self.loss_mask, self.documents_end_at = sequences, loss_mask, documents_end_at
+        self.global_batch, self.per_rank, self.dp_rank = global_batch, global_batch // dp_size, dp_rank
+        n_batches = -(-len(sequences) // global_batch)
+        self.n_batches = min(n_batches, max_batches) if max_batches else n_batches
+        self.keep = min(len(sequences), self.n_batches * global_batch)
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"eval batch {index} of {len(self)}")
+        start = index * self.global_batch + self.dp_rank * self.per_rank
+        real = min(max(self.keep - start, 0), self.per_rank)
+        rows = np.zeros((self.per_rank, self.sequences.shape[1]), dtype=self.sequences.dtype)
+        rows[:real] = self.sequences[start:start + real]
+        mask = None
+        if self.loss_mask is not None:
+            mask = np.zeros(rows.shape, dtype=np.uint8)
+            mask[:real] = self.loss_mask[start:start + real]
+        batch = _as_batch(rows, self.documents_end_at, mask)
+        batch.labels[real:] = IGNORE_INDEX
+        return batch
+
 
 def eval_batches(sequences: np.ndarray, global_batch: int, dp_rank: int, dp_size: int, max_batches: int = 0,
-                 documents_end_at: int | None = None) -> list:
-    """Every rank gets the same number of batches (collectives stay matched): the tail is padded with
-    rows whose labels are all ignored, so they count for nothing."""
-    n_batches = -(-len(sequences) // global_batch)
-    if max_batches:
-        n_batches = min(n_batches, max_batches)
-    padded = np.zeros((n_batches * global_batch, sequences.shape[1]), dtype=sequences.dtype)
-    keep = min(len(sequences), len(padded))
-    padded[:keep] = sequences[:keep]
-    batches = []
-    per_rank = global_batch // dp_size
-    for b in range(n_batches):
-        start = b * global_batch + dp_rank * per_rank
-        batch = _as_batch(padded[start:start + per_rank], documents_end_at)
-        pad_rows = np.arange(start, start + per_rank) >= keep
-        batch.labels[pad_rows] = IGNORE_INDEX
-        batches.append(batch)
-    return batches
+                 documents_end_at: int | None = None, loss_mask: np.ndarray | None = None) -> EvalBatches:
+    return EvalBatches(sequences, global_batch, dp_rank, dp_size, max_batches, documents_end_at, loss_mask)

@@ -1,11 +1,21 @@
-"""Tokenizers that need no download: bytes, or a local Hugging Face tokenizer directory."""
+"""Tokenizers that need no download: bytes, or a local Hugging Face tokenizer directory.
+
+Each one encodes a document as its ids followed by the end-of-document id (`encode_each`), names itself
+(`spec`) and fingerprints its files (`identity`, stored with a token cache so that a cache is never read with
+another tokenizer's ids). A local tokenizer with a chat template also renders conversations (`encode_chats`).
+"""
 from __future__ import annotations
 
+import hashlib
 import pathlib
 
 import numpy as np
 
 from portable_fsdp.errors import UserError
+
+# The files that decide a tokenizer's ids (never a model's weights, which may share its directory).
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json", "*.model",
+                    "*.tiktoken", "chat_template*")
 
 
 class ByteTokenizer:
@@ -13,13 +23,26 @@ class ByteTokenizer:
 
     eos_token_id = 256
     vocab_size = 257
+    spec = "byte"
+    chat_template = None
+
+    def identity(self) -> str:
+        return "byte:utf-8+eos256"
 
     def encode_documents(self, documents) -> np.ndarray:
-        pieces = []
-        for doc in documents:
-            pieces.append(np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int32))
-            pieces.append(np.array([self.eos_token_id], dtype=np.int32))
+        pieces = self.encode_each(documents)
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+    def encode_each(self, documents) -> list:
+        """One int32 array per document: its UTF-8 bytes, then the end-of-document id."""
+        out = []
+        for doc in documents:
+            raw = doc.encode("utf-8")
+            ids = np.empty(len(raw) + 1, dtype=np.int32)
+            ids[:-1] = np.frombuffer(raw, dtype=np.uint8)
+            ids[-1] = self.eos_token_id
+            out.append(ids)
+        return out
 
 
 class LocalHFTokenizer:
@@ -36,13 +59,56 @@ class LocalHFTokenizer:
             raise UserError("data.tokenizer", f"the tokenizer in {directory} has no eos token; set one and save it again")
         self.eos_token_id = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+        self.spec = str(pathlib.Path(directory).resolve())
+        self.chat_template = getattr(self._tok, "chat_template", None)
+
+    def identity(self) -> str:
+        """sha256 over the names and bytes of the files that decide the ids."""
+        directory = pathlib.Path(self.spec)
+        files = sorted({p for pattern in _TOKENIZER_FILES for p in directory.glob(pattern) if p.is_file()})
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return f"sha256:{digest.hexdigest()}"
 
     def encode_documents(self, documents) -> np.ndarray:
-        documents = list(documents)
+        pieces = self.encode_each(list(documents))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+    def encode_each(self, documents) -> list:
         if not documents:
-            return np.zeros(0, dtype=np.int32)
-        ids = self._tok(documents, add_special_tokens=False)["input_ids"]
-        return np.concatenate([np.array(doc + [self.eos_token_id], dtype=np.int32) for doc in ids])
+            return []
+        ids = self._tok(list(documents), add_special_tokens=False)["input_ids"]
+        return [np.array(doc + [self.eos_token_id], dtype=np.int32) for doc in ids]
+
+    def encode_chats(self, conversations) -> list:
+        """[(ids, loss_mask)] per conversation, rendered with the tokenizer's chat template then the end-of-document
+        id. loss_mask is 1 on the tokens of assistant turns (the characters the template adds when an assistant
+        message follows the generation prompt, its end-of-turn marker included) and on the final end-of-document id
+        after an assistant turn; 0 elsewhere. Raises ValueError when the template does not render a conversation's
+        beginning as the beginning of the whole (then assistant turns cannot be located)."""
+        out = []
+        for messages in conversations:
+            text = self._tok.apply_chat_template(messages, tokenize=False)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self._tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) \
+                    if i else ""
+                through = self._tok.apply_chat_template(messages[:i + 1], tokenize=False)
+                if not (text.startswith(before) and text.startswith(through)):
+                    raise ValueError("its chat template does not render the conversation's first turns as the "
+                                     "beginning of the whole conversation, so assistant turns cannot be located")
+                spans.append((len(before), len(through)))
+            enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+            mask = np.zeros(len(starts) + 1, dtype=np.uint8)
+            for begin, end in spans:
+                mask[:-1][(starts >= begin) & (starts < end)] = 1
+            mask[-1] = bool(messages) and messages[-1]["role"] == "assistant"
+            out.append((np.array(enc["input_ids"] + [self.eos_token_id], dtype=np.int32), mask))
+        return out
 
 
 def load_tokenizer(spec: str):
@@ -51,6 +117,21 @@ def load_tokenizer(spec: str):
     if not pathlib.Path(spec).is_dir():
         raise UserError("data.tokenizer", f"must be 'byte' or a local tokenizer directory (no directory {spec})")
     return LocalHFTokenizer(spec)
+
+
+def require_chat_template(tokenizer) -> None:
+    """data.format=chat renders rows with the tokenizer's chat template: one line naming the fix when it has none."""
+    if tokenizer.chat_template:
+        return
+    if isinstance(tokenizer, ByteTokenizer):
+        raise UserError("data.tokenizer", (
+            "data.format=chat renders conversations with a chat template, and the byte tokenizer has none; set "
+            "data.tokenizer to a local tokenizer directory that has one (a chat_template in tokenizer_config.json "
+            "or a chat_template.jinja file)"))
+    raise UserError("data.tokenizer", (
+        f"data.format=chat renders conversations with a chat template, and the tokenizer in {tokenizer.spec} has "
+        "none; add one (tokenizer.chat_template = '...'; tokenizer.save_pretrained(DIR)) or use a tokenizer "
+        "directory that has one"))
 
 
 BYTE_EOS = "<|endoftext|>"

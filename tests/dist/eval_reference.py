@@ -22,7 +22,7 @@ def reference_eval() -> dict:
     config = make_config({})
     model = create_model(config, rank=0, rank0_only=False)
     data = build_token_data(config.data, config.model.vocab_size, 1)
-    sequences = data.eval[:EVAL_SEQUENCES]
+    sequences = np.asarray(data.eval[:EVAL_SEQUENCES], dtype=np.int64)  # the cache stores uint16
     inputs, labels = torch.from_numpy(sequences[:, :-1]), torch.from_numpy(sequences[:, 1:])
     with torch.no_grad():
         logits = model(input_ids=inputs).logits

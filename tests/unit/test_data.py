@@ -38,7 +38,8 @@ def data_cfg(source, seq_len=16, tokenizer="byte", eval_fraction=0.1, text_colum
 
 @pytest.fixture(autouse=True)
 def datasets_cache(tmp_path, monkeypatch):
-    """Keep `datasets`' cache of built json/csv files out of the user's home."""
+    """Keep `datasets`' cache of built json/csv files, and our token cache, out of the user's home."""
+    monkeypatch.setenv("PORTABLE_FSDP_DATA_CACHE", str(tmp_path / "token_cache"))
     try:
         import datasets.config
     except ImportError:
@@ -113,7 +114,9 @@ def token_stream(path):
 def test_sequences_hold_seq_len_plus_one_tokens(text_file):
     data = build_token_data(data_cfg(text_file, seq_len=16), 384, min_train_sequences=4)
     assert data.train.shape[1] == data.eval.shape[1] == 17
-    assert data.train.dtype == data.eval.dtype == np.int64
+    # stored compact (the token cache's uint16 for a vocabulary of 257), handed out as int64 ids
+    assert data.train.dtype == data.eval.dtype == np.uint16
+    assert loader._as_batch(data.train[:2]).input_ids.dtype == np.int64
     assert data.vocab_size == 257
     n = len(data.train) + len(data.eval)
     assert n == (len(token_stream(text_file)) - 1) // 16
