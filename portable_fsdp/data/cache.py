@@ -203,13 +203,14 @@ def build(final: pathlib.Path, data_cfg, src: Source, tokenizer) -> None:
         processes = _processes(data_cfg.num_proc, len(dataset))
         print(f"data: tokenising {src.describe()} ({len(dataset):,} rows, {processes} process"
               f"{'es' if processes > 1 else ''}) into {final}", flush=True)
-        encoder = RowEncoder(tokenizer.spec, src.column, src.chat, skip_empty=src.kind not in ("bundled", "text"))
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+        encoder = RowEncoder(tokenizer.spec, src.column, src.chat, skip_empty=src.kind not in ("bundled", "text"),
+                             id_type=dtype.name)
         # text: Arrow batches straight to the tokenizer; chat: rows decoded as `datasets` types them (lists of dicts)
         mapped = (dataset if src.chat else dataset.with_format("arrow")).map(
             encoder, batched=True, with_indices=True, remove_columns=dataset.column_names,
             num_proc=processes if processes > 1 else None, new_fingerprint=final.name,
             cache_file_name=str(tmp / "work" / "tokens.arrow"), desc="tokenising")
-        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
         n_tokens, n_documents = _write_stream(mapped, tmp, dtype, src.chat)
         del mapped, dataset
         shutil.rmtree(tmp / "work", ignore_errors=True)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import os
+import pathlib
+import socket
 
 import numpy as np
 
@@ -21,6 +24,7 @@ from portable_fsdp.errors import UserError
 
 IGNORE_INDEX = -100
 DATA_STATE = "data_state.json"  # in a checkpoint: where a streamed corpus was when it was saved
+ORDER_IN_MEMORY = 1 << 20  # epochs of fewer sequences are shuffled in memory; longer ones in a file beside the cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,7 @@ class TokenData:
     # data.format=chat: 1 where a token is an assistant's (takes a loss), same shapes; None for text
     train_loss_mask: np.ndarray | None = None
     eval_loss_mask: np.ndarray | None = None
+    cache: pathlib.Path | None = None  # the token cache's directory
 
 
 def load_checked_tokenizer(data_cfg, model_vocab_size: int):
@@ -79,7 +84,7 @@ def build_token_data(data_cfg, model_vocab_size: int, min_train_sequences: int, 
     return TokenData(train=sequences[:split], eval=sequences[split:], vocab_size=tokenizer.vocab_size,
                      eos_token_id=tokenizer.eos_token_id,
                      train_loss_mask=None if masks is None else masks[:split],
-                     eval_loss_mask=None if masks is None else masks[split:])
+                     eval_loss_mask=None if masks is None else masks[split:], cache=stream.path)
 
 
 def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -117,7 +122,7 @@ def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tupl
                             wait_s=t.collective_timeout_s)
     documents_end_at = data.eos_token_id if config.data.document_masking else None
     train = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at,
-                         loss_mask=data.train_loss_mask)
+                         loss_mask=data.train_loss_mask, order_dir=data.cache / "orders")
     evals = eval_batches(data.eval, t.eval_batch_size, dp_rank, dp_size, t.eval_max_batches, documents_end_at,
                          loss_mask=data.eval_loss_mask)
     return train, evals
@@ -144,27 +149,34 @@ def _as_batch(sequences: np.ndarray, documents_end_at: int | None = None, loss_m
 
 class TrainBatches:
     """Step `s` takes the global batch of sequences [s*B, (s+1)*B) of an endless stream of epochs,
-    each a fresh permutation seeded by (seed, epoch)."""
+    each a fresh permutation seeded by (seed, epoch). `order_dir`: where an epoch of more than ORDER_IN_MEMORY
+    sequences keeps its permutation (the same one, shuffled in a memory-mapped file), so that a process's memory
+    does not grow with the corpus; None = in memory."""
 
     def __init__(self, sequences: np.ndarray, global_batch: int, grad_accum: int, seed: int,
-                 documents_end_at: int | None = None, loss_mask: np.ndarray | None = None):
+                 documents_end_at: int | None = None, loss_mask: np.ndarray | None = None,
+                 order_dir: pathlib.Path | None = None):
         self.documents_end_at = documents_end_at
         self.sequences = sequences
         self.loss_mask = loss_mask
         self.global_batch = global_batch
         self.grad_accum = grad_accum
         self.seed = seed
+        self.order_dir = order_dir
         self._perm_cache: dict = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._perm_cache:
-            self._perm_cache = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.sequences))}
+            n = len(self.sequences)
+            on_disk = self.order_dir is not None and n > ORDER_IN_MEMORY
+            self._perm_cache = {epoch: shuffled_file(self.order_dir, self.seed, epoch, n) if on_disk
+                                else np.random.default_rng([self.seed, epoch]).permutation(n)}
         return self._perm_cache[epoch]
 
     def global_indices(self, step: int) -> np.ndarray:
         n = len(self.sequences)
         flat = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
-        return np.array([self._order(k // n)[k % n] for k in flat])
+        return np.array([self._order(k // n)[k % n] for k in flat], dtype=np.int64)
 
     def micro_batches(self, step: int, dp_rank: int, dp_size: int) -> list:
         """This rank's `grad_accum` micro-batches; micro-batch m of every rank together is a contiguous
@@ -189,6 +201,26 @@ class TrainBatches:
 
     def restore(self, checkpoint, step: int) -> None:
         """Continue from a checkpoint of step `step`: nothing to do, (seed, step) decides the batches."""
+
+
+def shuffled_file(directory: pathlib.Path, seed: int, epoch: int, n: int) -> np.ndarray:
+    """default_rng([seed, epoch]).permutation(n), memory-mapped from `directory` (shuffled there in place first by
+    the first rank to need it: Generator.permutation(n) is Generator.shuffle(arange(n)), whatever the dtype)."""
+    path = directory / f"order-seed{seed}-epoch{epoch}-n{n}.u32"
+    if not path.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}")
+        order = np.memmap(tmp, np.uint32, mode="w+", shape=(n,))
+        for start in range(0, n, 1 << 24):
+            order[start:start + (1 << 24)] = np.arange(start, min(n, start + (1 << 24)), dtype=np.uint32)
+        np.random.default_rng([seed, epoch]).shuffle(order)
+        order.flush()
+        del order  # unmapped: its pages leave this process's resident set
+        os.replace(tmp, path)
+        for old in directory.glob(f"order-seed{seed}-epoch*-n{n}.u32"):  # epochs before the last one
+            if int(old.name.split("-epoch")[1].split("-")[0]) < epoch - 1:
+                old.unlink(missing_ok=True)
+    return np.memmap(path, np.uint32, mode="r", shape=(n,))
 
 
 class EvalBatches(collections.abc.Sequence):

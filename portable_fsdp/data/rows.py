@@ -15,8 +15,9 @@ class RowEncoder:
     process loads its own. `skip_empty`: an empty text gives no tokens (a `datasets` source, as before the cache);
     otherwise it is a document of its own (bundled and text-file documents are never empty)."""
 
-    def __init__(self, tokenizer_spec: str, column: str, chat: bool, skip_empty: bool):
+    def __init__(self, tokenizer_spec: str, column: str, chat: bool, skip_empty: bool, id_type: str = "int32"):
         self.tokenizer_spec, self.column, self.chat, self.skip_empty = tokenizer_spec, column, chat, skip_empty
+        self.id_type = id_type  # of the Arrow table's ids: the cache's dtype, so the table is no larger than it
         self._tokenizer = None
 
     def __getstate__(self):
@@ -36,7 +37,7 @@ class RowEncoder:
             ids, masks = self.encode(batch[self.column], indices)
             return {"input_ids": ids, "loss_mask": masks} if masks is not None else {"input_ids": ids}
         ids, masks = self.encode(_column_values(batch.column(self.column), indices), indices)
-        table = {"input_ids": _list_array(ids, pa.int32())}
+        table = {"input_ids": _list_array(ids, pa.from_numpy_dtype(np.dtype(self.id_type)))}
         if masks is not None:
             table["loss_mask"] = _list_array(masks, pa.uint8())
         return pa.table(table)
@@ -107,4 +108,5 @@ def _list_array(arrays: list, value_type):
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
     np.cumsum([len(a) for a in arrays], out=offsets[1:])
     values = np.concatenate(arrays) if arrays else np.zeros(0)
+    values = values.astype(value_type.to_pandas_dtype(), copy=False)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))

@@ -408,3 +408,28 @@ def test_chat_needs_a_messages_column(tmp_path):
         build_token_data(data_cfg(path, format="chat", tokenizer=str(directory)), 384, 1)
     with user_error("data.format", "chat needs rows with a 'messages' column"):
         build_token_data(data_cfg("bundled", format="chat", tokenizer=str(directory)), 384, 1)
+
+
+# ---------------------------------------------------------------- the epoch order, off the heap
+
+def test_a_long_epoch_order_is_the_same_permutation_memory_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "ORDER_IN_MEMORY", 10)
+    rows = np.repeat(np.arange(1000, dtype=np.int64)[:, None], 3, axis=1)
+    in_memory = TrainBatches(rows, 8, 1, seed=4)
+    on_disk = TrainBatches(rows, 8, 1, seed=4, order_dir=tmp_path / "orders")
+    for step in (0, 1, 124, 125, 126, 380):  # 125 steps per epoch: into the fourth
+        np.testing.assert_array_equal(on_disk.global_indices(step), in_memory.global_indices(step))
+        assert isinstance(on_disk._perm_cache[step * 8 // 1000], np.memmap)
+    # epochs 0 and 1 removed when epoch 3 began (the last epoch before the current one would stay)
+    assert [p.name for p in (tmp_path / "orders").iterdir()] == ["order-seed4-epoch3-n1000.u32"]
+
+
+def test_the_loop_keeps_long_orders_beside_the_cache(monkeypatch):
+    monkeypatch.setattr(loader, "ORDER_IN_MEMORY", 10)
+    config = base_config()
+    config.data.seq_len = 64
+    train, evals = loader.open_data(config, 384, 0, 1)
+    assert train.order_dir.parent.parent == cache.cache_root(config.data)
+    train.micro_batches(0, 0, 1)
+    assert len(list(train.order_dir.glob("order-seed0-epoch0-n*.u32"))) == 1
+    assert len(evals) > 0
