@@ -118,7 +118,9 @@ class Backend(Protocol):
     def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write this rank's part of a checkpoint into `directory` (which exists): the layout is
         `portable_fsdp.checkpointing`'s. Returns the files this rank wrote, {path: {"bytes", "sha256"} when
-        hashed while writing, else None}: the loop checksums the others on this rank, right after."""
+        hashed while writing, else None}: the loop checksums the others on this rank, right after. With
+        train.async_save, a backend that writes in the background returns a concurrent.futures.Future of that
+        dict instead, once the state is copied (portable_fsdp/async_save.py finishes the save)."""
 
     def load_checkpoint(self, state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
         """Restore weights, optimizer state, step and RNG from a verified checkpoint; consumes `state`."""

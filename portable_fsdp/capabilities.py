@@ -233,6 +233,12 @@ RULES = (
     Rule("plan.state_dict_type", (("plan.state_dict_type", Is("SHARDED_STATE_DICT")),), {
         "flax": Refused("SHARDED_STATE_DICT is not available on --backend flax; use FULL_STATE_DICT (a directory "
                         "every backend and from_pretrained load)")}),
+    Rule("train.async_save", (("train.async_save", ON), ("plan.state_dict_type", Is("FULL_STATE_DICT"))),
+         dict.fromkeys(TARGETS, Refused("applies to SHARDED_STATE_DICT saves (a FULL one is gathered and written "
+                                        "while training waits); set plan.state_dict_type=SHARDED_STATE_DICT or "
+                                        "train.async_save=false"))),
+    Rule("train.async_save", (("train.async_save", ON), ("plan.state_dict_type", Is("SHARDED_STATE_DICT"))),
+         dict.fromkeys(XLA, NoEffect("xla writes its shard files while training waits"))),
     # ---- mixed precision
     Rule("plan.param_dtype", (("plan.param_dtype", Is("float16")),), {
         "xla": Refused("float16 has no SPMD FSDPv2 equivalent: torch_xla's autocast computes in bfloat16; use "

@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 
 from portable_fsdp import faults, safetensors_shards
 from portable_fsdp.errors import UserError
@@ -154,6 +155,19 @@ def write_report(staging: pathlib.Path, rank: int, files: dict) -> None:
     tmp = reports / f"rank_{rank:05d}.tmp"
     tmp.write_text(json.dumps(listing))
     os.replace(tmp, reports / f"rank_{rank:05d}.json")
+
+
+def wait_for_reports(staging: pathlib.Path, count: int, timeout_s: float) -> None:
+    """Rank 0 of an asynchronous save (portable_fsdp/async_save.py): until `count` ranks have reported."""
+    reports, deadline = pathlib.Path(staging) / REPORTS, time.monotonic() + timeout_s
+    while True:
+        have = {p.name for p in reports.glob("rank_*.json")} if reports.is_dir() else set()
+        if len(have) >= count:
+            return
+        if time.monotonic() > deadline:
+            missing = [r for r in range(count) if f"rank_{r:05d}.json" not in have]
+            raise TimeoutError(f"rank(s) {missing} did not finish writing {staging} within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _gathered_listing(staging: pathlib.Path) -> dict:

@@ -84,6 +84,8 @@ def base_config() -> ml_collections.ConfigDict:
     # bfloat16 (half the bytes; a resume casts back and is not bit-exact)
     c.train.max_shard_size = "5GB"
     c.train.save_dtype = "float32"
+    # SHARDED saves on cpu/cuda: write in the background while training goes on (committed once every rank wrote)
+    c.train.async_save = False
     c.train.resume = False
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps

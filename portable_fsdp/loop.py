@@ -4,14 +4,16 @@ It drives any module that fulfils `portable_fsdp.backend.Backend`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
 import sys
 import time
 
-from portable_fsdp import checkpointing, faults, hardware
+from portable_fsdp import async_save, checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.loader import DATA_STATE, open_data
 from portable_fsdp.data.tokenizers import save_for_generation
@@ -44,6 +46,7 @@ def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict
     try:
         result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt)
     except (UserError, TrainingDiverged, Interrupted):
+        async_save.finish()  # a checkpoint still being written in the background is committed first
         backend.finalize(state)  # every rank stops here together: leave the process group cleanly
         raise
     finally:
@@ -132,6 +135,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         if stop_reason:
             break
     progress.close()
+    async_save.finish()
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
         state = _resume(backend, state, checkpointing.best(workdir), config, backend_name)
@@ -185,6 +189,7 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is
     """Stage, write (each rank checksumming its own files), then commit atomically on rank 0 (see
     portable_fsdp.checkpointing). The waits allow for the bytes to write (checkpointing.io_timeout_s).
     `data_state`: the loader's position (a streamed corpus), kept as data_state.json."""
+    async_save.finish()  # a save still in flight (train.async_save) is committed before the next is staged
     rank = backend.placement(state).rank
     timeout = _io_timeout(backend, state, info["config"]["train"])
     staging = checkpointing.staging_dir(workdir, state.step)
@@ -192,24 +197,37 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is
         checkpointing.prepare_staging(workdir, state.step)
     backend.barrier(state, timeout_s=timeout)
     faults.check("save.staged", rank, state.step)
-    written = dict(backend.save_checkpoint(state, staging) or {})
+    result = backend.save_checkpoint(state, staging)
+    in_background = result if isinstance(result, concurrent.futures.Future) else None  # train.async_save
+    written = dict((None if in_background else result) or {})
     if is_main:  # what pipeline("text-generation", model=<checkpoint>) needs besides the model
         written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
         if data_state is not None:
             (staging / DATA_STATE).write_text(json.dumps(data_state) + "\n")
             written[staging / DATA_STATE] = None
+    final = checkpointing.root(workdir) / f"step_{state.step:08d}"
+    commit = functools.partial(_commit, workdir, final, state.step, info, keep_last_n, best) if is_main else None
+    if in_background:  # reported when written; rank 0 commits once every rank has reported (async_save.py)
+        async_save.start(in_background, staging, rank, state.step, written, backend.placement(state).processes,
+                         timeout, commit)
+        return final
     checkpointing.write_report(staging, rank, written)
     faults.check("save.written", rank, state.step)
     backend.barrier(state, timeout_s=timeout)
-    final = checkpointing.root(workdir) / f"step_{state.step:08d}"
-    if is_main:
-        if best:  # before the commit prunes, so the new best is spared
-            checkpointing.mark_best(workdir, final, best)
-        if info["state_dict_type"] == "FULL_STATE_DICT":
-            info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
-        checkpointing.commit(workdir, state.step, info, keep_last_n)
+    if commit:
+        commit()
     backend.barrier(state, timeout_s=timeout)
     return final
+
+
+def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, keep_last_n: int,
+            best: dict | None) -> None:
+    """Rank 0, once every rank has written and reported its files."""
+    if best:  # before the commit prunes, so the new best is spared
+        checkpointing.mark_best(workdir, final, best)
+    if info["state_dict_type"] == "FULL_STATE_DICT":
+        info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
+    checkpointing.commit(workdir, step, info, keep_last_n)
 
 
 def _manifest_info(config, plan, backend_name: str, where: Placement) -> dict:

@@ -10,6 +10,7 @@ every rank writes its shards with torch.distributed.checkpoint under `sharded/`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import pathlib
 
@@ -32,9 +33,9 @@ from portable_fsdp.plan import StateDictType
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save_checkpoint(state, directory: pathlib.Path) -> dict:
+def save_checkpoint(state, directory: pathlib.Path):
     """Every rank calls this; `directory` exists (rank 0 made it). Returns {path: checksum or None} of this
-    rank's files."""
+    rank's files (a future of them with train.async_save: SHARDED only)."""
     directory = pathlib.Path(directory)
     rank = dist.get_rank()
     written: dict = {}
@@ -48,14 +49,7 @@ def save_checkpoint(state, directory: pathlib.Path) -> dict:
             written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
                                                      state.ctx.config.train.save_dtype))
     else:
-        sharded = directory / checkpointing.SHARDED
-        # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
-        group = distributed.slow_group(_io_timeout(state))
-        dcp.save({"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)},
-                 checkpoint_id=str(sharded), process_group=group)
-        written.update({p: None for p in sharded.glob(f"__{rank}_*.distcp")})
         if rank == 0:
-            written.update({p: None for p in sharded.glob(".metadata")})
             state.model.config.save_pretrained(directory)
             written[directory / "config.json"] = None
     rng_file = checkpointing.rng_file(directory, rank)
@@ -63,7 +57,36 @@ def save_checkpoint(state, directory: pathlib.Path) -> dict:
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None}, rng_file)
     written[rng_file] = None
+    if state.ctx.plan.state_dict_type != StateDictType.FULL_STATE_DICT:
+        return _save_sharded(state, directory / checkpointing.SHARDED, rank, written)
     return written
+
+
+def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
+    """torch.distributed.checkpoint's files; with train.async_save, a future of them: async_save copies the state
+    to host memory before it returns, then writes in a thread of its own while training goes on."""
+    bundle = {"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
+    # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
+    group = distributed.slow_group(_io_timeout(state))
+
+    def files() -> dict:
+        mine = {p: None for p in sharded.glob(f"__{rank}_*.distcp")}
+        return {**written, **mine, **({p: None for p in sharded.glob(".metadata")} if rank == 0 else {})}
+
+    if not state.ctx.config.train.async_save:
+        dcp.save(bundle, checkpoint_id=str(sharded), process_group=group)
+        return files()
+    upload, result = dcp.async_save(bundle, checkpoint_id=str(sharded), process_group=group), concurrent.futures.Future()
+
+    def done(future) -> None:
+        try:
+            future.result()
+            result.set_result(files())
+        except BaseException as err:
+            result.set_exception(err)
+
+    upload.add_done_callback(done)
+    return result
 
 
 def _io_timeout(state) -> float:

@@ -122,3 +122,28 @@ def test_an_index_naming_a_missing_file_is_refused_in_one_line(tmp_path, stopped
     (checkpointing.latest(workdir) / missing).unlink()
     proc = cli(BASE + ["--workdir", str(workdir), "--config.train.resume=true"], cwd=tmp_path)
     assert proc.returncode == 2 and f"{missing} is missing; the checkpoint is incomplete" in proc.stderr
+
+
+ASYNC = ["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.async_save=true",
+         "--config.train.save_every=2"]
+
+
+@pytest.mark.slow  # two runs
+def test_async_sharded_saves_commit_in_the_background_and_resume_bit_exact(tmp_path, straight):
+    workdir = tmp_path / "run"
+    run(workdir, *ASYNC, "--config.train.stop_at_step=3")  # saves at 2 (in the background) and 3 (the stop)
+    saved = sorted(p.name for p in checkpointing.root(workdir).glob("step_*"))
+    assert saved == ["step_00000002", "step_00000003"] and checkpointing.latest(workdir).name == "step_00000003"
+    for name in saved:
+        manifest = checkpointing.verify(checkpointing.root(workdir) / name)
+        assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(manifest["files"])
+    assert not list(checkpointing.root(workdir).glob(".tmp-step_*"))
+    run(workdir, *ASYNC, "--config.train.resume=true")
+    assert losses(workdir) == straight
+
+
+def test_async_save_of_a_full_checkpoint_is_refused_in_one_line(tmp_path):
+    proc = cli(BASE + ["--workdir", str(tmp_path / "w"), "--config.train.async_save=true"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: train.async_save: applies to SHARDED_STATE_DICT saves (a FULL one is gathered and written while "
+        "training waits); set plan.state_dict_type=SHARDED_STATE_DICT or train.async_save=false"]
