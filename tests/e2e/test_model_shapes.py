@@ -19,6 +19,7 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
 
 
+@pytest.mark.slow  # three runs; tied and frozen weights also start, shard and checkpoint in tests/dist and tests/xla
 def test_frozen_tied_uneven_model_trains_saves_and_resumes(tmp_path):
     straight = cli(ARGS + ["--workdir", str(tmp_path / "a")], cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
