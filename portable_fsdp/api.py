@@ -34,8 +34,6 @@ __all__ = ["get_config", "plan_for", "load_backend", "Batches", "evaluate", "sav
 
 # What torch's process group reads (env://), for one process when nothing (torchrun, the user) set them.
 _SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-# What an in-process `train` sets and puts back afterwards.
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RunFailed(Exception):
@@ -149,14 +147,7 @@ def train(config, backend: str = "cpu", workdir=None, nproc: int | None = 1) -> 
     if nproc < 1:
         raise UserError("nproc", f"must be at least 1 (got {nproc})")
     workdir = pathlib.Path(workdir) if workdir else default_workdir("train")
-    saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
     try:
         return launch.start(config, name, workdir, nproc)
     except SystemExit as exit_:
         raise RunFailed(exit_.code if isinstance(exit_.code, int) else 1) from None
-    finally:  # an in-process run sets them: leave this process's environment as it was
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

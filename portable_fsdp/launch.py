@@ -4,6 +4,7 @@ num_machines — joining the other machines' launchers in one rendezvous. Valida
 worker starts, so a bad config costs seconds and prints one line."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pathlib
@@ -122,10 +123,26 @@ def _start(config, backend_name: str, workdir: pathlib.Path, nproc: int, nodes: 
         return worker.main(spec)
     checks(config, backend_name, nproc * nodes.num_machines, workdir)
     if nproc == 1 and not nodes.multi_node:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port(nodes.main_process_port)))
-        return worker.main(spec)
+        with _rank_environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_rendezvous_port(nodes.main_process_port))):
+            return worker.main(spec)
     return _elastic_launch(spec, nproc, nodes)
+
+
+@contextlib.contextmanager
+def _rank_environment(**variables):
+    """torchrun's variables for a run in this process, taken back afterwards: a caller of the Python API that
+    trains again (another backend, another world size) must not look like a torchrun worker."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _start_jax(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings, checks) -> dict:

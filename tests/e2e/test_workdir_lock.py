@@ -14,9 +14,6 @@ import time
 from portable_fsdp import backends, run
 from tests.conftest import ROOT, TEST_RECIPE
 
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def wait_for(predicate, timeout: float, what: str):
     end = time.monotonic() + timeout
     while not predicate():
@@ -29,14 +26,13 @@ def logged_a_step(workdir: pathlib.Path) -> bool:
     return metrics.exists() and '"loss"' in metrics.read_text()
 
 
-def in_process(capsys, monkeypatch, *args):
-    for key in LAUNCH_ENV:  # a one-process run sets them in this process: put them back afterwards
-        monkeypatch.delenv(key, raising=False)
+def in_process(capsys, *args):
     code = run.main(["--config", TEST_RECIPE, *args])
+    assert "WORLD_SIZE" not in os.environ  # a run in this process leaves its environment as it found it
     return code, capsys.readouterr().err.strip().splitlines()
 
 
-def test_a_live_run_refuses_a_second_start_and_a_killed_one_is_taken_over(tmp_path, capsys, monkeypatch):
+def test_a_live_run_refuses_a_second_start_and_a_killed_one_is_taken_over(tmp_path, capsys):
     workdir = tmp_path / "w"
     with open(tmp_path / "first.err", "w") as err:
         first = subprocess.Popen([sys.executable, "-m", "portable_fsdp.run", "--config", TEST_RECIPE, "--nproc", "1",
@@ -49,7 +45,7 @@ def test_a_live_run_refuses_a_second_start_and_a_killed_one_is_taken_over(tmp_pa
         assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
         started = json.loads((workdir / ".lock").read_text())["started"]
 
-        code, err = in_process(capsys, monkeypatch, "--workdir", str(workdir))
+        code, err = in_process(capsys, "--workdir", str(workdir))
         assert code == 2
         assert err == [f"error: --workdir: {workdir} is in use by a live run (host {socket.gethostname()}, "
                        f"pid {first.pid}, started {started}); choose another --workdir, or stop that run first"]
@@ -65,7 +61,7 @@ def test_a_live_run_refuses_a_second_start_and_a_killed_one_is_taken_over(tmp_pa
             first.wait()
     assert json.loads((workdir / ".lock").read_text())["pid"] == first.pid  # left behind by the kill
 
-    code, err = in_process(capsys, monkeypatch, "--workdir", str(workdir), "--nproc", "1",
+    code, err = in_process(capsys, "--workdir", str(workdir), "--nproc", "1",
                            "--config.train.steps=2", "--config.train.resume=true")
     assert code == 0, err
     assert err == [f"warning: --workdir: taking over {workdir} from a run that is no longer running (host "
