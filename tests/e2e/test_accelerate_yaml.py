@@ -33,6 +33,7 @@ def files(workdir):
     return sorted(str(p.relative_to(workdir)) for p in pathlib.Path(workdir).rglob("*"))
 
 
+@pytest.mark.slow  # the launch keys are unit-tested on the same file (tests/unit/test_accelerate_launch.py)
 def test_num_processes_from_the_verbatim_file(tmp_path):
     # The file as `accelerate config` writes it, 2 processes instead of 8, and one key asking for what we don't do.
     path = write(tmp_path, ACCELERATE_FSDP2.replace("num_processes: 8", "num_processes: 2"), debug="true")

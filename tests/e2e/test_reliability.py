@@ -29,9 +29,9 @@ def run_with_fault(tmp_path, fault: str, *extra):
 
 
 @pytest.mark.parametrize("fault,latest_after", [
-    ("kill@save.staged:rank=0:step=10", 5),
+    pytest.param("kill@save.staged:rank=0:step=10", 5, marks=pytest.mark.slow),
     ("kill@save.written:rank=1:step=10", 5),
-    ("kill@commit.manifest:rank=0:step=10", 5),
+    pytest.param("kill@commit.manifest:rank=0:step=10", 5, marks=pytest.mark.slow),
     ("kill@commit.renamed:rank=0:step=10", 5),  # step_10 is complete, but `latest` was not moved yet
 ])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, fault, latest_after):
@@ -42,6 +42,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, fau
     assert checkpointing.verify(latest)["step"] == latest_after
 
 
+@pytest.mark.slow  # a kill mid-save leaving the previous checkpoint valid runs by default above
 def test_kill_9_mid_save_then_resume_is_bit_exact(tmp_path, straight):
     assert run_with_fault(tmp_path, "kill@save.written:rank=0:step=10").returncode != 0
     proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true"], cwd=tmp_path)
