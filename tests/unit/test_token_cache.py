@@ -433,3 +433,28 @@ def test_the_loop_keeps_long_orders_beside_the_cache(monkeypatch):
     train.micro_batches(0, 0, 1)
     assert len(list(train.order_dir.glob("order-seed0-epoch0-n*.u32"))) == 1
     assert len(evals) > 0
+
+
+def _mapped_rss_kb(path_part: str) -> int:
+    """Resident KB of this process's mappings of files whose path contains `path_part` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not line[0].isupper() or line.startswith("VmFlags"):
+                inside = path_part in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="Linux /proc")
+def test_read_rows_leave_no_mapped_pages_behind(tmp_path):
+    data = build_token_data(data_cfg(seq_len=64), 384, 8)
+    np.array(data.train[::50])  # read rows all over the stream
+    assert _mapped_rss_kb(cache.TOKENS) > 100
+    batches = TrainBatches(data.train, 8, 1, seed=0)
+    for step in range(20):
+        batches.micro_batches(step, 0, 1)
+    for batch in eval_batches(data.eval, 8, 0, 1):
+        assert batch.num_label_tokens
+    assert _mapped_rss_kb(cache.TOKENS) == 0  # in the page cache, not in this process's resident set
