@@ -2,7 +2,7 @@
 SHARDED checkpoints, each save and resume timed end to end and compared with a raw write (then read) of the same
 number of bytes on the same disk, measured in the same run.
 
-    python -m benchmarks.checkpoint_io            # ~272M parameters: 3.3 GB checkpoints with AdamW (~4 min)
+    python -m benchmarks.checkpoint_io            # 246M parameters: 2.95 GB checkpoints with AdamW (~4 min)
     python -m benchmarks.checkpoint_io --quick    # a tiny model: checks the script works, measures nothing
 
 The workers start under torchrun and run the product's own code: `backend.init`, one training step (AdamW's state
@@ -11,7 +11,9 @@ manifest) and `loop._resume` (each rank's share of the checksums, the load). The
 cache (posix_fadvise DONTNEED, after their fsync) before the resume reads them, as a fresh job would find them.
 The raw rate: one process writes the checkpoint's byte count in 64 MiB blocks and fsyncs (`dd conv=fsync`), drops
 it from the cache, reads it back. "x raw" is the save (resume) time over the raw write (read) time of its bytes:
-1.0 would be the disk's speed. Results: benchmarks/results/checkpoint_io.json.
+1.0 would be the disk's speed. Then the step time a save costs: STEPS training steps with a SHARDED save after the
+first, in the foreground or with train.async_save (the clock stops once the background save is committed), each
+against the same steps without a save around it, ROUNDS rounds (medians). Results: benchmarks/results/checkpoint_io.json.
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ import time
 
 from benchmarks.common import ROOT, machine, table, torchrun, write_json
 
-# hidden 1024, 16 layers, 32k vocabulary, untied: 272M parameters, 1.09 GB of fp32 weights
+# hidden 1024, 16 layers (4 kv heads), 32k vocabulary, untied: 246M parameters, 0.98 GB of fp32 weights
 MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16,
          "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}
 QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}
 LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 BLOCK = 64 * 2**20
+STEPS = 4  # training steps timed with a save after the first (train.async_save against a save in the foreground)
+ROUNDS = 2
 
 
 def _drop_cache(paths) -> None:
@@ -115,10 +119,60 @@ def _worker(spec: dict) -> None:
         backend.barrier(state)
         if rank == 0:
             shutil.rmtree(workdir)
+    results["step_time_lost"] = _step_time_lost(backend, state, config, plan, batches, spec)
     if rank == 0:
         pathlib.Path(spec["out"]).write_text(json.dumps(results))
     dist.barrier()
     backend.finalize(state)
+
+
+def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
+    """Wall time of STEPS training steps with a SHARDED save after the first, written in the foreground or in the
+    background (train.async_save), against the same steps without a save: ROUNDS rounds of none, sync, async, and a
+    last none; each save's run is compared with the mean of the runs without a save around it (medians over
+    rounds)."""
+    import copy
+    import statistics
+
+    from portable_fsdp import async_save, loop
+
+    where = backend.placement(state)
+    sharded_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)["SHARDED_STATE_DICT"])
+    info = loop._manifest_info(config, sharded_plan, "cpu", where)
+    index = 1
+
+    def timed(mode: str) -> dict:
+        nonlocal state, index
+        mode_config = copy.deepcopy(config)
+        mode_config.train.async_save = mode == "async"
+        state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, config=mode_config, plan=sharded_plan))
+        backend.barrier(state)
+        began, in_save = time.perf_counter(), 0.0
+        for i in range(spec["steps"]):
+            state, _ = backend.train_step(state, batches.micro_batches(index, where.dp_rank, where.dp_size))
+            index += 1
+            if i == 0 and mode != "none":
+                called = time.perf_counter()
+                loop.save(backend, state, pathlib.Path(spec["workdir"]) / mode, info, keep_last_n=1,
+                          is_main=where.rank == 0)
+                in_save = time.perf_counter() - called
+        async_save.finish()  # committed before the clock stops
+        backend.barrier(state)
+        return {"total_s": time.perf_counter() - began, "save_call_s": in_save}
+
+    runs: dict = {"sync": [], "async": []}
+    before = timed("none")
+    for _ in range(spec["rounds"]):
+        sync, background, after = timed("sync"), timed("async"), timed("none")
+        baseline = (before["total_s"] + after["total_s"]) / 2
+        for mode, run in (("sync", sync), ("async", background)):
+            runs[mode].append({**run, "lost_s": run["total_s"] - baseline, "baseline_s": baseline})
+        before = after
+    median = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
+    return {"steps": spec["steps"], "rounds": spec["rounds"],
+            "baseline_s": statistics.median(r["baseline_s"] for r in runs["sync"]),
+            **{mode: {"total_s": median(mode, "total_s"), "save_call_s": median(mode, "save_call_s"),
+                      "lost_s": median(mode, "lost_s"), "runs": runs[mode]} for mode in runs}}
 
 
 def main() -> None:
@@ -132,7 +186,8 @@ def main() -> None:
         _worker(json.loads(args.worker))
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        spec = {"model": QUICK_MODEL if args.quick else MODEL, "workdir": tmp, "out": os.path.join(tmp, "out.json")}
+        spec = {"model": QUICK_MODEL if args.quick else MODEL, "workdir": tmp, "out": os.path.join(tmp, "out.json"),
+                "steps": STEPS, "rounds": 1 if args.quick else ROUNDS}
         torchrun(args.nproc, ["benchmarks.checkpoint_io", "--worker", json.dumps(spec)], timeout=3600,
                  env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
         results = json.loads(pathlib.Path(spec["out"]).read_text())
@@ -148,6 +203,12 @@ def main() -> None:
     print(f"{results['n_params'] / 1e6:.0f}M parameters, {args.nproc} CPU ranks")
     print(table(["layout", "GB", "files", "save s", "save MB/s", "raw write s", "save x raw",
                  "resume s", "resume MB/s", "raw read s", "resume x raw"], rows))
+    lost = results["step_time_lost"]
+    print(f"\n{lost['steps']} training steps with a SHARDED save after the first, against the same steps without "
+          f"a save ({lost['baseline_s']:.1f} s); medians of {lost['rounds']} rounds")
+    print(table(["save", "steps + save s", "in the save call s", "step time lost s", "lost / foreground's"],
+                [[mode, f"{lost[mode]['total_s']:.1f}", f"{lost[mode]['save_call_s']:.1f}", f"{lost[mode]['lost_s']:.1f}",
+                  f"{lost[mode]['lost_s'] / lost['sync']['lost_s']:.2f}"] for mode in ("sync", "async")]))
     if not args.quick:
         write_json(ROOT / "benchmarks" / "results" / "checkpoint_io.json",
                    {"model": MODEL, "nproc": args.nproc, "machine": machine(), "results": results})

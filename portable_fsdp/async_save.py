@@ -47,7 +47,3 @@ def finish() -> None:
         thread.join()
         if errors:
             raise errors[0]
-
-
-def in_flight() -> bool:
-    return bool(_in_flight)

@@ -147,3 +147,38 @@ def test_async_save_of_a_full_checkpoint_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: train.async_save: applies to SHARDED_STATE_DICT saves (a FULL one is gathered and written while "
         "training waits); set plan.state_dict_type=SHARDED_STATE_DICT or train.async_save=false"]
+
+
+def test_init_from_a_split_checkpoint_reads_every_file_through_the_index(stopped):
+    """model.init_from's loader (every backend's: hf_torch.model.create_on_meta) delivers each tensor of the
+    split files once, as the files hold them."""
+    from safetensors.torch import load_file
+
+    from portable_fsdp.backends.hf_torch.model import create_on_meta
+    from portable_fsdp.config import apply_override, load_recipe
+
+    final = checkpointing.latest(stopped)
+    config = load_recipe(TEST_RECIPE)
+    apply_override(config, "model.init_from", str(final))
+    delivered = {}
+    create_on_meta(config).fill(lambda names, full: delivered.update({names[0]: full}))
+    stored = {}
+    for file in final.glob("model-*.safetensors"):
+        stored.update(load_file(file))
+    assert delivered.keys() == stored.keys() and all(delivered[n].equal(stored[n]) for n in stored)
+
+
+def test_a_local_tokenizer_is_saved_beside_the_model(tmp_path):
+    """data.tokenizer as a directory: its files are saved, and generation ends at its end-of-document token."""
+    from transformers import AutoTokenizer
+
+    from portable_fsdp.data.tokenizers import byte_tokenizer_for_transformers, save_for_generation
+
+    byte_tokenizer_for_transformers().save_pretrained(tmp_path / "tokenizer")  # any local tokenizer directory
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    written = save_for_generation(str(tmp_path / "tokenizer"), tmp_path / "out")
+    assert tmp_path / "out" / "tokenizer.json" in written and tmp_path / "out" / "generation_config.json" in written
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("ab")["input_ids"] == [97, 98]
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 256, "pad_token_id": 256}
