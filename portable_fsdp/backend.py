@@ -122,6 +122,12 @@ class Backend(Protocol):
         train.async_save, a backend that writes in the background returns a concurrent.futures.Future of that
         dict instead, once the state is copied (portable_fsdp/async_save.py finishes the save)."""
 
+    def export_weights(self, state: TrainState, directory: pathlib.Path) -> dict:
+        """Write the model as FULL checkpoints hold it, without the optimizer state, into `directory` (which
+        exists): the weights in train.save_dtype (safetensors shards + index, streamed as the FULL save does),
+        config.json and generation_config.json; every rank calls it (train.export_full_at_end). Returns the
+        files this rank wrote, as `save_checkpoint` does (never a future)."""
+
     def load_checkpoint(self, state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
         """Restore weights, optimizer state, step and RNG from a verified checkpoint; consumes `state`."""
 

@@ -17,6 +17,8 @@ Inside a checkpoint, the same on every backend:
   optimizer.pt                       FULL_STATE_DICT: torch's full optimizer state dict, keyed by name
   sharded/                           SHARDED_STATE_DICT: the writing backend's own per-rank files
   rng/rank_XXXXX.pt                  each rank's RNG states (backends that draw random numbers)
+<workdir>/export/ (train.export_full_at_end, SHARDED runs): a FULL checkpoint's weights, configs and tokenizer
+without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its manifest.json.
 A FULL checkpoint resumes on every backend at any world size; a SHARDED one on the backends that read the
 format it was written in (`SHARDED_FORMATS`).
 """
@@ -198,6 +200,28 @@ def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pa
     faults.check("commit.renamed", 0, step)
     _point_latest(workdir, final.name)
     _prune(workdir, keep_last_n)
+    return final
+
+
+EXPORT = "export"
+
+
+def export_staging(workdir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(workdir) / f".tmp-{EXPORT}"
+
+
+def commit_export(workdir: pathlib.Path, info: dict) -> pathlib.Path:
+    """Rank 0 only, once every rank has written and reported its files into `export_staging`: the manifest,
+    then the rename to <workdir>/export (an earlier export moved aside first, removed after)."""
+    staging, final = export_staging(workdir), pathlib.Path(workdir) / EXPORT
+    _write_manifest_file(staging, info, _gathered_listing(staging))
+    old = final.with_name(f".old-{EXPORT}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(staging, final)
+    _fsync(pathlib.Path(workdir))
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -86,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.save_dtype = "float32"
     # SHARDED saves on cpu/cuda: write in the background while training goes on (committed once every rank wrote)
     c.train.async_save = False
+    # SHARDED_STATE_DICT runs: once the last step is done (train.steps reached, or early stopping), also write
+    # WORKDIR/export/, the model as from_pretrained loads it (weights in save_dtype, config, tokenizer; no
+    # optimizer state). Not after train.stop_at_step or an interrupt (the run goes on later). FULL: a no-op.
+    c.train.export_full_at_end = False
     c.train.resume = False
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps

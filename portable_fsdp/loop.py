@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import time
@@ -139,6 +140,14 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
         state = _resume(backend, state, checkpointing.best(workdir), config, backend_name)
+    exported = None
+    if t.export_full_at_end and (end_step == t.steps or (stop_reason or "").startswith("early stopping")):
+        if plan.state_dict_type.value == "FULL_STATE_DICT":
+            if is_main:
+                print(f"warning: train.export_full_at_end has nothing to do with FULL_STATE_DICT: the last checkpoint "
+                      f"({saved}) is already what from_pretrained loads", file=sys.stderr, flush=True)
+        else:  # the weights of the state trained (the best model's with train.load_best_model_at_end)
+            exported = export(backend, state, workdir, manifest_info, is_main)
     if step_times:
         # against typical steps: the first one (lazy initialisation, first allocations) is no yardstick
         typical = statistics.median(step_times) * len(step_times)
@@ -151,6 +160,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         result["logging overhead"] = f"{100 * bookkeeping / typical:.2f}% of step time"
     if stop_reason:
         result["stopped"] = stop_reason
+    if exported:
+        result["export"] = str(exported)
     if t.load_best_model_at_end and best.step:
         result["best model"] = f"step {best.step}, eval_loss {best.eval_loss:.4f} ({checkpointing.best(workdir)})"
     if is_main:
@@ -218,6 +229,29 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is
         commit()
     backend.barrier(state, timeout_s=timeout)
     return final
+
+
+def export(backend, state, workdir: pathlib.Path, info: dict, is_main: bool) -> pathlib.Path:
+    """train.export_full_at_end: the model as a FULL checkpoint holds it, without optimizer state, into
+    <workdir>/export; staged and renamed as a save is, with a manifest (checkpointing.commit_export)."""
+    rank = backend.placement(state).rank
+    timeout = _io_timeout(backend, state, info["config"]["train"])
+    staging = checkpointing.export_staging(workdir)
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    backend.barrier(state, timeout_s=timeout)
+    written = dict(backend.export_weights(state, staging))
+    if is_main:
+        written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
+    checkpointing.write_report(staging, rank, written)
+    backend.barrier(state, timeout_s=timeout)
+    if is_main:
+        checkpointing.commit_export(workdir, {**info, "state_dict_type": "FULL_STATE_DICT",
+                                              "step": state.step, "export": True,
+                                              "weights_dtype": info["config"]["train"]["save_dtype"]})
+    backend.barrier(state, timeout_s=timeout)
+    return pathlib.Path(workdir) / checkpointing.EXPORT
 
 
 def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, keep_last_n: int,

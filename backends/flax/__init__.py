@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 _DEFINED_IN = {
     "describe_model": "architecture",
-    "save_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint", "export_weights": "checkpoint",
     "load_checkpoint": "checkpoint",
     "memory_report": "resources",
     "device_kind": "resources",

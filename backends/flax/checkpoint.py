@@ -43,6 +43,18 @@ def save_checkpoint(state: TrainState, directory: pathlib.Path) -> dict:
     return written
 
 
+def export_weights(state: TrainState, directory: pathlib.Path) -> dict:
+    """The weights and model config of `save_checkpoint`, without the optimizer state (train.export_full_at_end;
+    the Flax lowering saves FULL checkpoints only, so the loop never asks for it, but the contract has it)."""
+    directory = pathlib.Path(directory)
+    written = _save_weights(state, directory)
+    if jax.process_index() == 0:
+        _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
+        for name in ("config.json", "generation_config.json"):
+            written[directory / name] = None
+    return written
+
+
 def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
     """The weights in torch's names and layout (no tied lm_head), in train.save_dtype, in shards of
     train.max_shard_size as save_pretrained writes them: one parameter on the host at a time."""

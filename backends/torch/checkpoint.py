@@ -62,6 +62,17 @@ def save_checkpoint(state, directory: pathlib.Path):
     return written
 
 
+def export_weights(state, directory: pathlib.Path) -> dict:
+    """Every rank: the FULL checkpoint's weights and model config, no optimizer state (train.export_full_at_end:
+    the export of a SHARDED run). Returns {path: checksum or None} of this rank's files."""
+    directory = pathlib.Path(directory)
+    written = save_full_weights(state.model, directory, state.ctx.config.train)
+    if dist.get_rank() == 0:
+        written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
+                                                 state.ctx.config.train.save_dtype))
+    return written
+
+
 def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
     """torch.distributed.checkpoint's files; with train.async_save, a future of them: async_save copies the state
     to host memory before it returns, then writes in a thread of its own while training goes on."""

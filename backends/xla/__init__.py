@@ -12,7 +12,7 @@ _SURFACE = {
     "init": "step", "train_step": "step", "eval_step": "step", "count_label_tokens": "step",
     "predict_step": "step", "memory_report": "step", "placement": "step", "barrier": "step", "any_rank": "step",
     "device_kind": "step", "time_matmul": "step", "model_info": "step", "finalize": "step",
-    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
 }
 
 __all__ = [*_SURFACE, "describe_model"]

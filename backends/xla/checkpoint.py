@@ -54,6 +54,19 @@ def save_checkpoint(state, directory: pathlib.Path) -> dict:
     return written
 
 
+def export_weights(state, directory: pathlib.Path) -> dict:
+    """Every process: the FULL checkpoint's weights and model config, no optimizer state
+    (train.export_full_at_end: the export of a SHARDED run). Returns {path: checksum or None} of its files."""
+    directory = pathlib.Path(directory)
+    ctx = state.ctx
+    rt.sync()
+    written = _save_full_weights(state, directory)
+    if ctx.runtime.rank == 0:
+        written.update(export.write_model_config(ctx.hf_model, ctx.info.root_class, directory,
+                                                 ctx.config.train.save_dtype))
+    return written
+
+
 def _save_full_weights(state, directory: pathlib.Path) -> dict:
     """The weights in safetensors shards as save_pretrained names them (the model's own names: Mixtral's fused
     experts.gate_up_proj, which resume reads on every backend), gathered one parameter at a time (every shard,

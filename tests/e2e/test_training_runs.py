@@ -139,3 +139,47 @@ def test_local_pretrained_model_and_datasets_file(tmp_path):
         expected = F.cross_entropy(expected.flatten(0, 1), torch.from_numpy(batch.labels).flatten()).item()
     train, _ = split(read_metrics(tmp_path / "w"))
     assert train[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+SHORT = ["--config.train.steps=4", "--config.train.eval_every=0", "--config.train.log_every=1",
+         "--config.train.warmup_steps=1"]
+
+
+def test_sharded_run_exports_full_weights_at_the_end(tmp_path):
+    # train.export_full_at_end: the trained model (its eval_loss outside FSDP is the run's last) as
+    # from_pretrained loads it, next to the SHARDED checkpoints, without the optimizer state
+    proc = cli(["--config", TEST_RECIPE, "--workdir", str(tmp_path), *SHORT,
+                "--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true"],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export = tmp_path / "export"
+    assert any(line.split() == ["export", str(export)] for line in proc.stdout.splitlines())  # the summary names it
+    assert (tmp_path / "checkpoints" / "step_00000004" / "sharded").is_dir()
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["step"] == 4 and manifest["export"] is True
+    assert set(manifest["files"]) >= {"config.json", "generation_config.json", "model.safetensors"}
+    assert not any(name.startswith(("optimizer", "rng/", "sharded/")) for name in manifest["files"])
+    assert not list(tmp_path.glob(".tmp-export"))
+    _, evals = split(read_metrics(tmp_path))
+    assert _eval_loss_outside_fsdp(export, {}) == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_no_export_after_stop_at_step_but_after_the_resumed_end(tmp_path):
+    common = ["--config", TEST_RECIPE, "--workdir", str(tmp_path), *SHORT,
+              "--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true"]
+    first = cli(common + ["--config.train.stop_at_step=2"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (tmp_path / "export").exists()
+    second = cli(common + ["--config.train.resume=true"], cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert json.loads((tmp_path / "export" / "manifest.json").read_text())["step"] == 4
+
+
+@pytest.mark.slow
+def test_export_with_full_state_dict_is_one_warning(tmp_path):
+    proc = cli(["--config", TEST_RECIPE, "--workdir", str(tmp_path), *SHORT, "--config.train.export_full_at_end=true"],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "export").exists()
+    assert sum("export_full_at_end has nothing to do" in line for line in proc.stderr.splitlines()) == 1

@@ -48,3 +48,15 @@ def test_flax_command_trains_and_writes_a_checkpoint_transformers_loads(tmp_path
     assert eval_loss == pytest.approx(evaluated["eval_loss"], rel=1e-5)
     assert evaluated["eval_token_accuracy"] == pytest.approx(accuracy, abs=2 / evaluated["eval_tokens"])  # argmax ties
     assert "flax, 2 rank(s)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_export_full_at_end_is_a_no_op_on_the_full_checkpoints_flax_saves(tmp_path):
+    # the Flax lowering saves FULL_STATE_DICT only: its last checkpoint is already the export
+    # (its export_weights is the contract's, unit-tested for its signature)
+    proc = cli(["--backend", "flax", "--config", TEST_RECIPE, "--workdir", str(tmp_path), "--config.train.steps=4",
+                "--config.train.export_full_at_end=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "export").exists()
+    assert sum("export_full_at_end has nothing to do" in line for line in proc.stderr.splitlines()) == 1
+    assert (tmp_path / "checkpoints" / "step_00000004" / "model.safetensors").exists()

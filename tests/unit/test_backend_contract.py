@@ -42,7 +42,7 @@ def signatures():
 def test_the_contract_names_the_functions_the_loop_calls():
     assert {"init", "train_step", "eval_step", "predict_step", "count_label_tokens", "save_checkpoint",
             "load_checkpoint", "memory_report", "placement", "barrier", "any_rank", "model_info",
-            "finalize", "describe_model"} <= set(contract_functions())
+            "finalize", "describe_model", "export_weights"} <= set(contract_functions())
 
 
 @pytest.mark.parametrize("module", sorted(set(BACKENDS.values())))

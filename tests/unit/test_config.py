@@ -314,3 +314,14 @@ def test_python_values_reach_the_config_as_the_command_line_writes_them():
                                    "plan.cpu_offload": True, "plan.xla_fsdp_settings": {"compute_dtype": "bfloat16"}})
     assert config.train.freeze == ["embed_tokens", "norm"] and config.train.steps == 5 and config.plan.cpu_offload
     assert config.plan.xla_fsdp_settings.to_dict() == {"compute_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b", "qwen2_5_7b", "qwen3_30b_a3b"])
+def test_big_model_recipes_save_sharded_and_export_full_at_the_end(recipe):
+    import importlib
+
+    module = importlib.import_module(f"configs.{recipe}")
+    assert base_config().train.export_full_at_end is False
+    for variant in module.VARIANTS:
+        config = module.get_config(variant)
+        assert config.plan.state_dict_type == "SHARDED_STATE_DICT" and config.train.export_full_at_end is True

@@ -100,3 +100,18 @@ def test_the_hf_tpu_fsdp_config_trains_on_spmd_fsdpv2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "xla, 2 rank(s)" in proc.stdout  # --backend auto took xla from `xla: true`
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [5]
+
+
+@pytest.mark.slow
+def test_sharded_run_exports_full_weights_at_the_end(tmp_path):
+    from tests.e2e.test_training_runs import _eval_loss_outside_fsdp
+
+    workdir = tmp_path / "run"
+    proc = xla_cli(workdir, "--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export = workdir / "export"
+    assert any(line.split() == ["export", str(export)] for line in proc.stdout.splitlines())
+    files = json.loads((export / "manifest.json").read_text())["files"]
+    assert "config.json" in files and not any(n.startswith(("optimizer", "rng/", "sharded/")) for n in files)
+    evals = [r for r in read_metrics(workdir) if "eval_loss" in r]
+    assert _eval_loss_outside_fsdp(export, {}) == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
