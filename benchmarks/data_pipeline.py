@@ -253,7 +253,7 @@ def report(payload: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--throughput-mb", type=int, default=64)
+    parser.add_argument("--throughput-mb", type=int, default=64, help="0: no throughput runs")
     parser.add_argument("--sizes-mb", default="256,1024", help="corpus sizes of the memory runs (MB)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
@@ -265,7 +265,7 @@ def main(argv=None) -> None:
     sizes = [int(s) << 20 for s in args.sizes_mb.split(",")]
     work = pathlib.Path(tempfile.mkdtemp(prefix="portable_fsdp-data-bench-"))
     try:
-        rates = throughput(work, args.throughput_mb << 20, args.num_proc)
+        rates = throughput(work, args.throughput_mb << 20, args.num_proc) if args.throughput_mb else []
         memory = [train_memory(work, size, args.steps, args.num_proc) for size in sizes]
     finally:
         shutil.rmtree(work, ignore_errors=True)

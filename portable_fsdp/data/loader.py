@@ -228,8 +228,8 @@ def shuffled_file(directory: pathlib.Path, seed: int, epoch: int, n: int) -> np.
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}")
         order = np.memmap(tmp, np.uint32, mode="w+", shape=(n,))
-        for start in range(0, n, 1 << 24):
-            order[start:start + (1 << 24)] = np.arange(start, min(n, start + (1 << 24)), dtype=np.uint32)
+        for start in range(0, n, 1 << 20):  # 4 MB at a time
+            order[start:start + (1 << 20)] = np.arange(start, min(n, start + (1 << 20)), dtype=np.uint32)
         np.random.default_rng([seed, epoch]).shuffle(order)
         order.flush()
         del order  # unmapped: its pages leave this process's resident set
