@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 

@@ -65,7 +65,8 @@ def test_two_runs_into_one_png(tmp_path, capsys):
 
 
 def test_default_outputs(tmp_path, monkeypatch):
-    a, b = write_run(tmp_path / "a", records()), write_run(tmp_path / "b", records(2.0))
+    a = write_run(tmp_path / "a", records())
+    write_run(tmp_path / "b", records(2.0))
     assert plot.main([str(a)]) == 0
     assert (a / "metrics.png").stat().st_size > 0
     monkeypatch.chdir(tmp_path)
