@@ -230,9 +230,6 @@ RULES = (
                           "to false, or use SPMD FSDPv2 (plan.xla_fsdp_v2=true), where the host fills each "
                           "parameter into its shards in turn and never holds the whole model"),
         "flax": NoEffect("one process builds the model and places its shards")}),
-    Rule("plan.state_dict_type", (("plan.state_dict_type", Is("SHARDED_STATE_DICT")),), {
-        "flax": Refused("SHARDED_STATE_DICT is not available on --backend flax; use FULL_STATE_DICT (a directory "
-                        "every backend and from_pretrained load)")}),
     Rule("train.async_save", (("train.async_save", ON), ("plan.state_dict_type", Is("FULL_STATE_DICT"))),
          dict.fromkeys(TARGETS, Refused("applies to SHARDED_STATE_DICT saves (a FULL one is gathered and written "
                                         "while training waits); set plan.state_dict_type=SHARDED_STATE_DICT or "

@@ -43,7 +43,7 @@ OPTIMIZER = "optimizer.pt"
 SHARDED = "sharded"
 # --backend -> the format of its SHARDED_STATE_DICT files: a sharded checkpoint resumes where the format is read.
 SHARDED_FORMATS = {"cpu": "torch.distributed.checkpoint", "cuda": "torch.distributed.checkpoint",
-                   "xla": "torch_xla shard files"}
+                   "xla": "torch_xla shard files", "flax": "orbax"}
 
 
 def rng_file(checkpoint: pathlib.Path, rank: int) -> pathlib.Path:

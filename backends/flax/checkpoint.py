@@ -1,10 +1,13 @@
-"""FULL checkpoints of the Flax lowering, in the torch backends' format (layout: portable_fsdp.checkpointing).
+"""Checkpoints of the Flax lowering (layout: portable_fsdp.checkpointing).
 
-`model.safetensors` (or shards of train.max_shard_size + model.safetensors.index.json, in train.save_dtype) +
-`config.json` + `generation_config.json`: a directory `from_pretrained` loads, and that every backend resumes
-from; written one parameter at a time. `optimizer.pt`: AdamW's state as torch's full optimizer state dict
-(`{"state": {torch name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`), moments in torch's
-layout, so a run can resume on another backend. Training draws no random numbers: there is no RNG to save.
+FULL_STATE_DICT, in the torch backends' format: `model.safetensors` (or shards of train.max_shard_size +
+model.safetensors.index.json, in train.save_dtype) + `config.json` + `generation_config.json`: a directory
+`from_pretrained` loads, and that every backend resumes from; written one parameter at a time. `optimizer.pt`:
+AdamW's state as torch's full optimizer state dict (`{"state": {torch name: {"step", "exp_avg", "exp_avg_sq"}},
+"param_groups": [...]}`), moments in torch's layout, so a run can resume on another backend.
+SHARDED_STATE_DICT: `sharded/`, orbax's files, each process writing its own shards (sharded.py), beside
+`config.json` and `generation_config.json`; resumes on this backend only, at any device count or mesh.
+Training draws no random numbers: there is no RNG to save.
 """
 from __future__ import annotations
 
@@ -16,43 +19,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes
+from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes, sharded
 from portable_fsdp.backends.flax.sharding import place_all
 from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.backends.flax.step import TrainState
+from portable_fsdp.plan import StateDictType
 
 
-
-def save_checkpoint(state: TrainState, directory: pathlib.Path) -> dict:
-    """Several processes: every one gathers each weight and the moments (collectives); the weights' shard files
-    are written by the process owning each (safetensors_shards), the rest by process 0. Returns {path: checksum
-    or None} of the files this process wrote."""
+def save_checkpoint(state: TrainState, directory: pathlib.Path):
+    """FULL: every process gathers each weight and the moments (collectives); the weights' shard files are written
+    by the process owning each (safetensors_shards), the rest by process 0. SHARDED: every process writes its own
+    shards (sharded.py; a future of its files with train.async_save). Returns {path: checksum or None} of the
+    files this process wrote."""
     directory = pathlib.Path(directory)
+    if state.ctx.plan.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        return sharded.save(state, directory, _model_config(state, directory))
     written = _save_weights(state, directory)
     optimizer_state = _torch_optimizer_state(state)
     if jax.process_index() != 0:
         return written
-    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
+    written.update(_model_config(state, directory))
     import torch
 
     with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
         torch.save(optimizer_state, f)
     written[f.path] = f.digest
-    for name in ("config.json", "generation_config.json"):
-        written[directory / name] = None
     return written
 
 
 def export_weights(state: TrainState, directory: pathlib.Path) -> dict:
-    """The weights and model config of `save_checkpoint`, without the optimizer state (train.export_full_at_end;
-    the Flax lowering saves FULL checkpoints only, so the loop never asks for it, but the contract has it)."""
+    """The weights and model config of a FULL checkpoint, without the optimizer state (train.export_full_at_end,
+    at the end of a SHARDED run)."""
     directory = pathlib.Path(directory)
-    written = _save_weights(state, directory)
-    if jax.process_index() == 0:
-        _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
-        for name in ("config.json", "generation_config.json"):
-            written[directory / name] = None
-    return written
+    return {**_save_weights(state, directory), **_model_config(state, directory)}
+
+
+def _model_config(state: TrainState, directory: pathlib.Path) -> dict:
+    """Process 0: config.json and generation_config.json (see _write_hf_config); {path: None} of them."""
+    if jax.process_index() != 0:
+        return {}
+    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
+    return {directory / name: None for name in ("config.json", "generation_config.json")}
 
 
 def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
@@ -89,9 +96,12 @@ def _numpy_dtype(name: str):
 
 
 def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
-    """Weights (and AdamW's state when present) of a FULL checkpoint, at any device count."""
+    """Weights and AdamW's state, at any device count or mesh: of a FULL checkpoint (the optimizer's when it has
+    optimizer.pt), or of a SHARDED one this backend wrote (others are refused before: checkpointing.check_compatible)."""
     directory = pathlib.Path(directory)
-    checkpointing.stored_layout(directory)  # SHARDED ones are refused before (checkpointing.check_compatible)
+    if checkpointing.stored_layout(directory) == "SHARDED_STATE_DICT":
+        params, opt_state = sharded.load(state, directory)
+        return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
     ctx = state.ctx
     host = convert.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
     # a bfloat16 export (train.save_dtype) resumes into the training dtype

@@ -51,12 +51,19 @@ def test_flax_command_trains_and_writes_a_checkpoint_transformers_loads(tmp_path
 
 
 @pytest.mark.slow
-def test_export_full_at_end_is_a_no_op_on_the_full_checkpoints_flax_saves(tmp_path):
-    # the Flax lowering saves FULL_STATE_DICT only: its last checkpoint is already the export
-    # (its export_weights is the contract's, unit-tested for its signature)
+def test_a_sharded_async_run_exports_full_weights_at_the_end(tmp_path):
+    """plan.state_dict_type=SHARDED_STATE_DICT, train.async_save and train.export_full_at_end together, as the
+    recipes for big models set them: orbax checkpoints, then WORKDIR/export/ that plain transformers loads with the
+    run's last eval_loss."""
     proc = cli(["--backend", "flax", "--config", TEST_RECIPE, "--workdir", str(tmp_path), "--config.train.steps=4",
-                "--config.train.export_full_at_end=true"], cwd=tmp_path)
+                "--config.train.save_every=2", "--config.plan.state_dict_type=SHARDED_STATE_DICT",
+                "--config.train.async_save=true", "--config.train.export_full_at_end=true"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not (tmp_path / "export").exists()
-    assert sum("export_full_at_end has nothing to do" in line for line in proc.stderr.splitlines()) == 1
-    assert (tmp_path / "checkpoints" / "step_00000004" / "model.safetensors").exists()
+    assert not [line for line in proc.stderr.splitlines() if line.strip()], proc.stderr[-3000:]  # orbax says nothing
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_00000002", "step_00000004"]
+    assert all((p / "sharded" / "manifest.ocdbt").is_file() and not (p / "model.safetensors").exists() for p in saved)
+    (evaluated,) = [r for r in read_metrics(tmp_path) if "eval_loss" in r]
+    eval_loss, _ = eval_with_transformers(tmp_path / "export", make_config())
+    assert eval_loss == pytest.approx(evaluated["eval_loss"], rel=1e-5)
+    assert ["export", str(tmp_path / "export")] in [line.split() for line in proc.stdout.splitlines()]

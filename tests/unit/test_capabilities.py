@@ -43,7 +43,6 @@ REFUSED = [
     ("flax", {"plan.cpu_offload": "true"}, "tpu", 2, "plan.cpu_offload", "with tpu devices; set it to false"),
     ("xla", {"plan.reshard_after_forward": "false"}, "CPU", 2, "plan.reshard_after_forward", "plan.xla_fsdp_v2=false"),
     ("xla", {"plan.cpu_ram_efficient_loading": "true", "plan.xla_fsdp_v2": "false"}, "TPU", 4, "plan.cpu_ram_efficient_loading", "plan.xla_fsdp_v2=true"),
-    ("flax", {"plan.state_dict_type": "SHARDED_STATE_DICT"}, "cpu", 2, "plan.state_dict_type", "use FULL_STATE_DICT"),
     ("xla", {"plan.param_dtype": "float16"}, "CPU", 2, "plan.param_dtype", "use bfloat16"),
     ("xla", {"plan.param_dtype": "bfloat16"}, "CPU", 2, "plan.param_dtype", "model.attn_implementation=eager"),
     ("xla", {"plan.param_dtype": "bfloat16", "plan.reduce_dtype": "bfloat16"}, "CPU", 2, "plan.reduce_dtype", "set plan.reduce_dtype=float32"),
@@ -96,6 +95,7 @@ WITHOUT_EFFECT = [
     ("cpu", {"plan.xla": "true", "plan.xla_fsdp_settings": '{"compute_dtype": "bfloat16"}', "plan.xla_fsdp_v2": "false"},
      None, ["plan.xla", "plan.xla_fsdp_settings", "plan.xla_fsdp_v2"]),
     ("flax", {"plan.cpu_offload": "true"}, "cpu", []),  # host memory already: honoured by construction
+    ("flax", {"plan.state_dict_type": "SHARDED_STATE_DICT", "train.async_save": "true"}, "cpu", []),  # orbax
     ("cpu", {"plan.min_num_params": "1000"}, None, ["plan.min_num_params"]),  # read by SIZE_BASED_WRAP only
     ("xla", {"plan.min_num_params": "1000", "plan.auto_wrap_policy": "SIZE_BASED_WRAP"}, "CPU", []),
     ("cpu", {"plan.cp_size": "2", "plan.cp_rotate_method": "alltoall", "plan.cp_load_balance": "false"}, None, []),
@@ -166,17 +166,17 @@ def test_readme_plan_table_lists_every_plan_field_and_links_the_capabilities():
 def test_the_python_api_checks_the_backend_as_the_command_does():
     from portable_fsdp import api
 
-    config = api.get_config(TEST_RECIPE, {"plan.state_dict_type": "SHARDED_STATE_DICT"})
-    with user_error("plan.state_dict_type", "use FULL_STATE_DICT"):
+    config = api.get_config(TEST_RECIPE, {"train.freeze": "embed_tokens"})
+    with user_error("train.freeze", "leave train.freeze empty"):
         api.plan_for(config, 2, backend="flax")
     assert api.plan_for(config, 2, backend="cpu").mesh.fsdp_size == 2
     assert api.plan_for(config, 2).mesh.fsdp_size == 2  # without a backend: the backend-free checks only
 
 
-@pytest.mark.parametrize("written", ["sharded_state_dict", "Sharded_State_Dict", "SHARDED_STATE_DICT"])
+@pytest.mark.parametrize("written", ["full_state_dict", "Full_State_Dict", "FULL_STATE_DICT"])
 def test_the_table_reads_enum_fields_as_the_plan_does_whatever_their_case(written):
-    with user_error("plan.state_dict_type", "use FULL_STATE_DICT"):
-        check("flax", {"plan.state_dict_type": written}, "cpu")
+    with user_error("train.async_save", "set plan.state_dict_type=SHARDED_STATE_DICT"):
+        check("flax", {"plan.state_dict_type": written, "train.async_save": "true"}, "cpu")
     assert check("flax", {"plan.auto_wrap_policy": "transformer_based_wrap"}, "cpu") == []
 
 
