@@ -5,7 +5,8 @@ train.max_shard_size + model.safetensors.index.json, in train.save_dtype) + conf
 a directory `from_pretrained` loads outside FSDP; streamed: each parameter is gathered in turn (`full_tensor`, a
 collective), and the rank owning its shard file copies it to the CPU and appends it to the file, hashing it on the
 way; no rank ever holds the whole model. Then `optimizer.pt` (rank 0, gathered to the CPU). SHARDED_STATE_DICT:
-every rank writes its shards with torch.distributed.checkpoint under `sharded/`. Both add `rng/rank_*.pt` per rank.
+every rank writes its shards with torch.distributed.checkpoint under `sharded/` (read back through
+`checkpoint_reader.Reader`: each tensor's bytes straight into place). Both add `rng/rank_*.pt` per rank.
 `save_checkpoint` returns the files this rank wrote, with their checksums where they were hashed while written.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import export
 from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch.checkpoint_reader import Reader
 from portable_fsdp.backends.torch.model import _fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
 from portable_fsdp import checkpointing, safetensors_shards
@@ -202,6 +204,6 @@ def _load_sharded(state, directory: pathlib.Path) -> None:
     model_sd = get_model_state_dict(state.model)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
     bundle = {"model": model_sd, "optim": optim_sd}
-    dcp.load(bundle, checkpoint_id=str(directory / checkpointing.SHARDED))
+    dcp.load(bundle, storage_reader=Reader(directory / checkpointing.SHARDED))
     set_model_state_dict(state.model, bundle["model"])
     set_optimizer_state_dict(state.model, state.optimizer, bundle["optim"])
