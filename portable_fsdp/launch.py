@@ -10,6 +10,7 @@ import os
 import pathlib
 import socket
 import sys
+import tempfile
 import uuid
 import warnings
 
@@ -197,20 +198,23 @@ def _rendezvous(nodes: LaunchSettings) -> dict:
 def _elastic_launch(spec: dict, nproc: int, nodes: LaunchSettings) -> dict | None:
     """Rank 0's summary (the launcher returns {global rank: what worker.main returned} for this machine's
     workers: None on the other machines); SystemExit on a failure."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    launch_config = LaunchConfig(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1, start_method="spawn",
-                                 **_rendezvous(nodes))
     spec = {**spec, "launcher_pid": os.getpid()}  # the workers stop if this process dies (worker.main)
-    try:
-        return elastic_launch(launch_config, worker.main)(spec).get(0)
-    except ChildFailedError as err:
-        raise SystemExit(_report_failure(err)) from None
-    except SignalException as err:  # the launcher was signalled; the agent has already stopped every worker
-        print(f"error: interrupted by {err.sigval.name}; workers stopped", file=sys.stderr)
-        raise SystemExit(Interrupted.exit_code) from None
+    # The agent's per-worker error files live only as long as the launch: left to torch, every run would leave
+    # a torchelastic_* directory in the user's temporary directory.
+    with tempfile.TemporaryDirectory(prefix="portable_fsdp-launch-") as agent_files:
+        launch_config = LaunchConfig(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                                     logs_specs=DefaultLogsSpecs(log_dir=agent_files), **_rendezvous(nodes))
+        try:
+            return elastic_launch(launch_config, worker.main)(spec).get(0)
+        except ChildFailedError as err:
+            raise SystemExit(_report_failure(err)) from None
+        except SignalException as err:  # the launcher was signalled; the agent has already stopped every worker
+            print(f"error: interrupted by {err.sigval.name}; workers stopped", file=sys.stderr)
+            raise SystemExit(Interrupted.exit_code) from None
 
 
 def _message(failure) -> str:

@@ -97,6 +97,7 @@ def test_two_machines_match_one(tmp_path):
     assert files(shared) == files(one)  # the same checkpoint: both machines' rank files, one commit
 
 
+@pytest.mark.slow  # three flax runs; two machines are exercised by default on the torch backend above
 def test_flax_on_two_machines_matches_one(tmp_path):
     """--backend flax with num_machines 2: each machine's launcher is one JAX process (jax.distributed, gloo
     between host CPU devices) driving num_processes / num_machines = 1 device of a 2-device mesh, reading its

@@ -194,6 +194,7 @@ def test_as_a_subprocess_exit_2_and_no_traceback(tmp_path):
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # a training run; tests/unit/test_hf_import.py maps every field, test_accelerate_yaml.py runs one
 def test_fsdp_config_values_reach_the_plan(tmp_path):
     """A Hugging Face fsdp.json as users write it drives the run (read back from the checkpoint manifest)."""
     fsdp = tmp_path / "fsdp.json"

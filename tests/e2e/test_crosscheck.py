@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, TEST_RECIPE
 
 
@@ -12,7 +14,8 @@ def crosscheck(cwd, *extra):
                            "--config", TEST_RECIPE, *extra], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-def test_backends_agree_and_a_wrong_learning_rate_is_caught(tmp_path):
+@pytest.mark.slow  # two backends' runs; that they agree is tested by default in tests/flax/test_parity.py
+def test_backends_agree(tmp_path):
     # --config.* overrides as `run` takes them; no --workdir: runs/crosscheck-<time>, nothing in the cwd itself
     agree = crosscheck(tmp_path, "--config.train.weight_decay=0.05")
     assert agree.returncode == 0, agree.stderr[-3000:]
@@ -21,14 +24,16 @@ def test_backends_agree_and_a_wrong_learning_rate_is_caught(tmp_path):
     report = json.loads((workdir / "crosscheck.json").read_text())
     assert report["agree"] and report["max_rel_diff"] <= 1e-4
     assert report["overrides"] == ["config.train.weight_decay=0.05"]
-    assert [r["step"] for r in report["rows"]] == [1, 2, 3, 4, 5]
-    assert (workdir / "crosscheck.png").stat().st_size > 10_000
     assert "agree: largest relative difference" in agree.stdout
 
+
+def test_a_wrong_learning_rate_is_caught(tmp_path):
     perturbed = crosscheck(ROOT, "--workdir", str(tmp_path / "cc"), "--override", "flax:train.lr=0.0031")
     assert perturbed.returncode == 1
     report = json.loads((tmp_path / "cc" / "crosscheck.json").read_text())
     assert not report["agree"] and report["max_rel_diff"] > 1e-4
+    assert [r["step"] for r in report["rows"]] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "cc" / "crosscheck.png").stat().st_size > 10_000
     assert "DISAGREE" in perturbed.stdout and "<-- over rtol" in perturbed.stdout
 
 

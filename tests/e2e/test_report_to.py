@@ -1,9 +1,12 @@
 """train.report_to as a user runs it: 2 ranks, stopped and resumed; TensorBoard and W&B (offline) hold rank 0's
 records of metrics.jsonl at their steps, written once per run, continuing at the resumed step."""
+import pytest
+
 from tests.conftest import TEST_RECIPE, cli, read_metrics
 from tests.tracker_files import scalar_steps, tensorboard_events, wandb_history
 
 
+@pytest.mark.slow  # three runs; tests/unit/test_trackers.py checks both trackers' files, a resume included
 def test_tensorboard_and_wandb_through_a_stop_and_a_resume(tmp_path):
     workdir = tmp_path / "w"
     common = ["--config", TEST_RECIPE, "--workdir", str(workdir), "--config.train.steps=10",

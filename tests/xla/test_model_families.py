@@ -1,6 +1,7 @@
 """Every model family trains on --backend xla (SPMD FSDPv2 over 2 PJRT CPU devices) from `model.init_from`, with
 the losses of a single-process plain-torch run of the same model (tests/parity/families.py). Mixtral is the
-case xla needed a fix for (backends/xla/moe.py); Qwen2 runs by default too, the other families are slow.
+case xla needed a fix for (backends/xla/moe.py) and runs by default; the other families are slow (Qwen2 runs by
+default on cpu and flax).
 Slow too: the mesh axes on the families that need them — Qwen2 (q/k/v biases) with tensor and with Ulysses
 sequence parallelism, Mixtral with its experts split over ep devices (alone and with fsdp 4 = 2 x ep 2)."""
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from tests.parity import families
 from tests.xla.test_cli import ENV
 
-FAMILIES = [pytest.param(f, marks=() if f in ("qwen2", "mixtral") else pytest.mark.slow) for f in families.FAMILIES]
+FAMILIES = [pytest.param(f, marks=() if f == "mixtral" else pytest.mark.slow) for f in families.FAMILIES]
 
 MESHES = [("qwen2", {"plan.tp_size": 2}, 2), ("qwen2", {"plan.sp_size": 2}, 2), ("mixtral", {"plan.ep_size": 2}, 2),
           ("mixtral", {"plan.ep_size": 2}, 4)]
