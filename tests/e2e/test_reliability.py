@@ -176,6 +176,7 @@ def test_a_signal_saves_a_checkpoint_stops_every_worker_and_leaves_no_orphans(tm
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.slow  # 15 steps on 4 ranks over 2 cores; by default FULL resumes at the same world size (test_checkpoint_files.py)
 def test_full_checkpoint_resumes_on_another_world_size(tmp_path, raised, straight):
     copy_of(raised, tmp_path)  # 2 ranks' FULL checkpoint of step 5
     resumed = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true", "--nproc", "4"], cwd=tmp_path)
