@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import pathlib
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -33,6 +36,10 @@ from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# dcp's file writer itself calls the deprecated `Tensor.storage()` (torch 2.9): a warning per rank and save that the
+# user can do nothing about. Process-wide, since a background save writes in dcp's own thread.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                        module="torch.distributed.checkpoint.filesystem")
 
 
 def save_checkpoint(state, directory: pathlib.Path):
@@ -76,8 +83,8 @@ def export_weights(state, directory: pathlib.Path) -> dict:
 
 
 def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
-    """torch.distributed.checkpoint's files; with train.async_save, a future of them: async_save copies the state
-    to host memory before it returns, then writes in a thread of its own while training goes on."""
+    """torch.distributed.checkpoint's files; with train.async_save, a future of them: the state is copied to host
+    memory before this returns, then written in a thread while training goes on."""
     bundle = {"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
     # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
     group = distributed.slow_group(_io_timeout(state))
@@ -89,7 +96,9 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
     if not state.ctx.config.train.async_save:
         dcp.save(bundle, checkpoint_id=str(sharded), process_group=group)
         return files()
-    upload, result = dcp.async_save(bundle, checkpoint_id=str(sharded), process_group=group), concurrent.futures.Future()
+    upload = dcp.async_save(bundle, checkpoint_id=str(sharded), process_group=group,
+                            async_stager=_stager(state.ctx.runtime.device.type))
+    result = concurrent.futures.Future()
 
     def done(future) -> None:
         try:
@@ -100,6 +109,14 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
 
     upload.add_done_callback(done)
     return result
+
+
+@functools.cache
+def _stager(device_type: str) -> DefaultStager:
+    """One per process: the host copies of this rank's shards (pinned on CUDA) are allocated at the first
+    background save and refilled at the next ones, rather than allocated afresh at every save."""
+    return DefaultStager(StagingOptions(use_pinned_memory=device_type == "cuda", use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
 
 
 def _io_timeout(state) -> float:
