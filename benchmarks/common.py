@@ -90,9 +90,11 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, module_args: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run` of a benchmark worker module; raises with the worker's error line."""
-    proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-                       "-m", *module_args], timeout, env)
+    """`python -m torch.distributed.run` of a benchmark worker module; raises with the worker's error line. Its
+    agent's files go to a temporary directory removed after it (by default torchrun leaves one per run)."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as agent_files:
+        proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                           str(free_port()), "--log-dir", agent_files, "-m", *module_args], timeout, env)
     if proc.returncode != 0:
         raise RuntimeError(error_line(proc.stderr))
     return proc

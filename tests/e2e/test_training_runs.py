@@ -105,7 +105,7 @@ def test_resume_after_a_stop_gives_the_same_losses(tmp_path, state_dict_type):
 
 def test_under_torchrun(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "portable_fsdp.run", "--config", TEST_RECIPE, "--workdir", str(tmp_path),
+                           "--log-dir", str(tmp_path / "torchrun"), "-m", "portable_fsdp.run", "--config", TEST_RECIPE, "--workdir", str(tmp_path),
                            "--config.train.steps=5"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
