@@ -3,9 +3,9 @@
 dcp's FileSystemReader `torch.load`s every saved tensor from its slice of a `.distcp` file: a fresh storage
 filled from the file, then copied into the tensor it restores. A SHARDED resume at the same world size asks for
 whole saved tensors, so `Reader` reads their bytes from the file into the destination itself (one copy, no
-allocation); a part of a saved tensor (another world size) is read into a buffer and the part copied. What a
-saved tensor is (dtype, shape, strides) still comes from `torch.load`, without its data
-(`torch.serialization.skip_data`); where its bytes are, from the zip archive `torch.save` wrote (`zipfile`).
+allocation); a part of a saved tensor (another world size), or one whose destination is on a GPU, is read into a
+host buffer and copied. What a saved tensor is (dtype, shape, strides) still comes from `torch.load`, without its
+data (`torch.serialization.skip_data`); where its bytes are, from the zip archive `torch.save` wrote (`zipfile`).
 Anything else (bytes items, transformed or unexpected records) goes through dcp's own reader.
 """
 from __future__ import annotations
@@ -111,8 +111,10 @@ class Reader(dcp.FileSystemReader):
             raise RuntimeError(f"{item.storage_index}: {tuple(item.lengths)} in the checkpoint, "
                                f"{tuple(target.size())} in the state")
         if (target.size() == saved.size() and saved.storage_offset() == 0 and saved.is_contiguous()
-                and saved.nbytes == nbytes and target.is_contiguous() and target.dtype == saved.dtype):
+                and saved.nbytes == nbytes and target.is_contiguous() and target.dtype == saved.dtype
+                and target.device.type == "cpu"):
             _read_exactly(file, start, target)  # the whole saved tensor: its bytes straight into place
+        # otherwise (a part of it, another layout, or a GPU destination): through a host buffer
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             _read_exactly(file, start, buffer)
