@@ -29,8 +29,13 @@ def main(argv=None) -> int:
 
 
 def _refuse_orbax(source: pathlib.Path) -> None:
-    """--backend flax writes its SHARDED checkpoints with orbax, which this converter does not read."""
-    if (source / checkpointing.MANIFEST).is_file() and checkpointing.read_manifest(source).get("backend") == "flax":
+    """--backend flax writes its SHARDED checkpoints with orbax, which this converter does not read. A manifest that
+    cannot be read is left to the converter's own checks, which name what is wrong with it."""
+    try:
+        backend = checkpointing.read_manifest(source).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return
+    if backend == "flax":
         raise UserError("source", (
             f"{source} is a SHARDED_STATE_DICT checkpoint of --backend flax (orbax files), which this converter does "
             "not read; run with --config.train.export_full_at_end=true for its FULL weights, or resume it on "

@@ -180,3 +180,15 @@ def test_convert_refuses_an_orbax_checkpoint_in_one_line(tmp_path, capsys):
         "converter does not read; run with --config.train.export_full_at_end=true for its FULL weights, or resume it "
         "on --backend flax with --config.plan.state_dict_type=FULL_STATE_DICT, whose saves are FULL"]
     assert not (tmp_path / "full").exists()
+
+
+def test_convert_names_an_unreadable_manifest_in_one_line(tmp_path, capsys):
+    from portable_fsdp import convert
+
+    source = tmp_path / "step_00000002"
+    (source / checkpointing.SHARDED).mkdir(parents=True)
+    (source / checkpointing.MANIFEST).write_text("{not json")
+    assert convert.main([str(source), str(tmp_path / "full")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and "manifest.json is missing or unreadable" in line
+    assert not (tmp_path / "full").exists()
