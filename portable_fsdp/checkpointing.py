@@ -4,8 +4,9 @@
 <workdir>/checkpoints/latest          the name of the newest complete one
 A save writes into `.tmp-step_…`, then renames: a crash at any moment leaves the previous checkpoint and `latest`
 untouched. Each rank fsyncs and checksums the files it wrote as it writes them (in parallel) and leaves
-`.reports/rank_XXXXX.json` ({path: bytes, sha256}); rank 0 gathers the reports into manifest.json, written last.
-On resume each rank checks the sizes of every file and the checksums of its share (a 1/world_size of the bytes).
+`.reports/rank_XXXXX.json` ({path: bytes, sha256 (per 64 MiB block of a larger file: portable_fsdp.checksums)});
+rank 0 gathers the reports into manifest.json, written last. On resume each rank checks the sizes of every file and
+the checksums of its share (a 1/world_size of the bytes, blocks of one large file spread over the ranks).
 Waits around a save or a verification are bounded by `io_timeout_s`: train.collective_timeout_s plus the bytes at a
 conservative IO_BYTES_PER_S, so a 70B model's hundreds of GB never run into a fixed timeout.
 
@@ -24,14 +25,13 @@ format it was written in (`SHARDED_FORMATS`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import shutil
 import time
 
-from portable_fsdp import faults, safetensors_shards
+from portable_fsdp import checksums, faults, safetensors_shards
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -77,14 +77,6 @@ def prepare_staging(workdir: pathlib.Path, step: int) -> pathlib.Path:
     return staging
 
 
-def _sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _fsync(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -94,24 +86,24 @@ def _fsync(path: pathlib.Path) -> None:
 
 
 def digest(path: pathlib.Path) -> dict:
-    """fsync a file this rank just wrote and checksum it (it is still in this host's page cache)."""
+    """fsync a file this rank just wrote and checksum it (it is still in this host's page cache): its manifest
+    entry (portable_fsdp.checksums)."""
     _fsync(path)
-    return {"bytes": pathlib.Path(path).stat().st_size, "sha256": _sha256(path)}
+    return checksums.of_file(path)
 
 
 class HashingWriter:
     """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`): the digest
-    of what a rank writes without reading it back. `digest` ({"bytes", "sha256"}) is set once it is closed
+    of what a rank writes without reading it back. `digest` (its manifest entry) is set once it is closed
     (fsynced)."""
 
     def __init__(self, path: pathlib.Path):
         self.path, self.digest = pathlib.Path(path), None
-        self._file, self._hash, self._bytes = open(path, "wb"), hashlib.sha256(), 0
+        self._file, self._checksum = open(path, "wb"), checksums.Checksum()
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
-        self._bytes += view.nbytes
+        self._checksum.update(view)
         return self._file.write(view)
 
     def flush(self) -> None:
@@ -122,7 +114,7 @@ class HashingWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            self.digest = {"bytes": self._bytes, "sha256": self._hash.hexdigest()}
+            self.digest = self._checksum.entry()
 
     def __enter__(self):
         return self
@@ -292,12 +284,12 @@ def read_manifest(path: pathlib.Path) -> dict:
 
 def verify(path: pathlib.Path, rank: int = 0, world_size: int = 1) -> dict:
     """Before anything is loaded: every file the manifest lists is there with its size, and this rank's share of
-    the files (`verify_share`; all of them with one process) matches its sha256. Returns the manifest."""
+    the bytes (`verify_share`; all of them with one process) matches its checksums. Returns the manifest."""
     path = pathlib.Path(path)
     manifest = verify_sizes(path)
-    for name in verify_share(manifest, rank, world_size):
-        if _sha256(path / name) != manifest["files"][name]["sha256"]:
-            raise _mismatch(path / name)
+    for piece, matches in checksums.matching(path, verify_share(manifest, rank, world_size)):
+        if not matches:
+            raise _mismatch(path / piece.name)
     return manifest
 
 
@@ -324,15 +316,17 @@ def _mismatch(file: pathlib.Path) -> UserError:
 
 
 def verify_share(manifest: dict, rank: int, world_size: int) -> list:
-    """The files `rank` checksums: the largest first, each to the rank with the fewest bytes so far (ties to
-    the lowest rank), so every file is checked once and each rank hashes about 1/world_size of the bytes."""
+    """The pieces (checksums.Piece: whole files, blocks of large ones) `rank` checksums: the largest first, each
+    to the rank with the fewest bytes so far (ties to the lowest rank), so every byte is checked once and each
+    rank hashes about 1/world_size of them. In file order, for the disk."""
     loads = [0] * world_size
     share: dict = {r: [] for r in range(world_size)}
-    for name, entry in sorted(manifest["files"].items(), key=lambda item: (-item[1]["bytes"], item[0])):
+    every = [p for name, entry in manifest["files"].items() for p in checksums.pieces(name, entry)]
+    for piece in sorted(every, key=lambda p: (-p.length, p.name, p.offset)):
         least = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[least] += entry["bytes"]
-        share[least].append(name)
-    return sorted(share[rank])
+        loads[least] += piece.length
+        share[least].append(piece)
+    return sorted(share[rank], key=lambda p: (p.name, p.offset))
 
 
 def total_bytes(manifest: dict) -> int:

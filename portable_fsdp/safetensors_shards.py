@@ -4,15 +4,16 @@ model in one place), and found again through the index.
 One file `model.safetensors` when everything fits in `train.max_shard_size`, else `model-00001-of-0000N.safetensors`
 ... plus `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map": {tensor: file}}), as
 transformers writes them. Shards are cut in the tensors' order (a tensor larger than the limit gets a file of its
-own) and written by every rank in turn: shard i by rank i mod world_size, so N ranks write (and checksum) in
-parallel. Each rank calls `Writer.write` for the tensors it owns, in order, as they are gathered: a shard's header
-(names, dtypes, shapes, offsets) is known from the plan before its first byte, so each tensor's bytes go straight to
-disk, hashed on their way. No framework here: tensors arrive as raw little-endian bytes.
+own) and written by every rank in turn, so N ranks write (and checksum) in parallel: shard i by rank
+(world_size - 1 - i) mod world_size, the last rank first, since rank 0 also writes the index and, in a FULL save,
+optimizer.pt at the same time. Each rank calls `Writer.write` for the tensors it owns, in order, as they are
+gathered: a shard's header (names, dtypes, shapes, offsets) is known from the plan before its first byte, so each
+tensor's bytes go straight to disk, hashed on their way. No framework here: tensors arrive as raw little-endian
+bytes.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import pathlib
 import re
 import struct
 
+from portable_fsdp import checksums
 from portable_fsdp.errors import UserError
 
 SINGLE = "model.safetensors"
@@ -89,11 +91,11 @@ class Writer:
         self.files = file_names(len(self.shards))
         self._shard_of = {t.name: i for i, shard in enumerate(self.shards) for t in shard}
         self._todo = [t for i, shard in enumerate(self.shards) if self._owner_of(i) == rank for t in shard]
-        self._next, self._open, self._hash = 0, None, None
-        self.written: dict = {}  # path -> {"bytes", "sha256"}, of the files this rank wrote
+        self._next, self._open, self._checksum = 0, None, None
+        self.written: dict = {}  # path -> its manifest entry (checksums.Checksum), of the files this rank wrote
 
     def _owner_of(self, shard: int) -> int:
-        return shard % self.world_size
+        return (self.world_size - 1 - shard) % self.world_size
 
     def owner(self, name: str) -> int:
         return self._owner_of(self._shard_of[name])
@@ -109,7 +111,7 @@ class Writer:
         shard = self._shard_of[name]
         if self._open is None:
             self._open = open(self.directory / self.files[shard], "wb")
-            self._hash = hashlib.sha256()
+            self._checksum = checksums.Checksum()
             self._put(_header(self.shards[shard], self.metadata))
         self._put(view)
         self._next += 1
@@ -118,18 +120,17 @@ class Writer:
 
     def _put(self, data) -> None:
         self._open.write(data)
-        self._hash.update(data)
+        self._checksum.update(data)
 
     def _finish(self, path: pathlib.Path) -> None:
         self._open.flush()
         os.fsync(self._open.fileno())
-        size = self._open.tell()
         self._open.close()
         self._open = None
-        self.written[path] = {"bytes": size, "sha256": self._hash.hexdigest()}
+        self.written[path] = self._checksum.entry()
 
     def close(self) -> dict:
-        """Rank 0 adds the index (several shards). Returns {path: {"bytes", "sha256"}} of this rank's files."""
+        """Rank 0 adds the index (several shards). Returns {path: manifest entry} of this rank's files."""
         if self._next != len(self._todo):
             raise ValueError(f"rank {self.rank} wrote {self._next} of its {len(self._todo)} tensors")
         if self.rank == 0 and len(self.shards) > 1:
@@ -141,7 +142,9 @@ class Writer:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            self.written[path] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            checksum = checksums.Checksum()
+            checksum.update(data)
+            self.written[path] = checksum.entry()
         return self.written
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from portable_fsdp import checkpointing as ckpt
+from portable_fsdp import checkpointing as ckpt, checksums
 from tests.unit._helpers import user_error
 
 
@@ -222,15 +222,15 @@ def test_ranks_report_their_own_checksums_and_the_commit_gathers_them(tmp_path, 
         ckpt.write_report(staging, rank, written)
     (staging / "config.json").write_text("{}")  # written by rank 0 but not reported: checksummed at the commit
     hashed = []
-    real = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = checksums.of_file
+    monkeypatch.setattr(checksums, "of_file", lambda path: hashed.append(path.name) or real(path))
     final = ckpt.commit(tmp_path, 3, {"backend": "cpu"}, keep_last_n=2)
     assert hashed == ["config.json"]  # rank 0 hashed nothing another rank reported
     listing = ckpt.read_manifest(final)["files"]
     assert set(listing) == {"config.json", *files[0], *files[1]}
     assert listing["model-00002-of-00002.safetensors"] == {"bytes": 32, "sha256": hashlib.sha256(b"b" * 32).hexdigest()}
     assert not (final / ckpt.REPORTS).exists()
-    monkeypatch.setattr(ckpt, "_sha256", real)
+    monkeypatch.setattr(checksums, "of_file", real)
     assert ckpt.verify(final)["step"] == 3
 
 
@@ -252,15 +252,15 @@ def test_each_file_is_verified_by_one_rank_and_the_bytes_are_shared(world_size):
                                                                           "rng/rank_00000.pt": 10}
     manifest = manifest_of(sizes)
     shares = [ckpt.verify_share(manifest, rank, world_size) for rank in range(world_size)]
-    assert sorted(n for share in shares for n in share) == sorted(sizes)  # every file once
-    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert sorted(p.name for share in shares for p in share) == sorted(sizes)  # every file once, whole
+    loads = [sum(p.length for p in share) for share in shares]
     assert max(loads) - min(loads) <= max(sizes.values())  # within one file of each other
 
 
 def test_a_corrupt_file_is_found_by_the_rank_whose_share_it_is(tmp_path):
     final = save(tmp_path, 4, {"a.bin": b"a" * 100, "b.bin": b"b" * 90, "c.bin": b"c" * 10})
     manifest = ckpt.read_manifest(final)
-    owner = next(r for r in range(2) if "b.bin" in ckpt.verify_share(manifest, r, 2))
+    owner = next(r for r in range(2) if "b.bin" in [p.name for p in ckpt.verify_share(manifest, r, 2)])
     (final / "b.bin").write_bytes(b"B" * 90)  # same size: only a checksum finds it
     ckpt.verify(final, 1 - owner, 2)
     with user_error("train.resume", "b.bin does not match its checksum"):

@@ -1,0 +1,101 @@
+"""Checkpoint files checksummed block by block, and the blocks of one large file verified by several ranks
+(portable_fsdp/checksums.py, checkpointing.verify)."""
+import hashlib
+import os
+
+import pytest
+
+from portable_fsdp import checkpointing as ckpt, checksums
+from tests.unit._helpers import user_error
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 1,000 bytes and reads of 300 (64 MiB and 8 MiB in use): every boundary is crossed."""
+    monkeypatch.setattr(checksums, "BLOCK", 1000)
+    monkeypatch.setattr(checksums, "_READ", 300)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 3500, 4000])
+def test_a_stream_fed_in_any_pieces_gets_one_digest_per_block(small_blocks, size):
+    data = os.urandom(size)
+    checksum = checksums.Checksum()
+    for start in range(0, size, 137):  # pieces that straddle the blocks
+        checksum.update(data[start:start + 137])
+    blocks = [data[i:i + 1000] for i in range(0, size, 1000)] or [b""]
+    if len(blocks) == 1:  # one block: the file's own sha256, as sha256sum prints it
+        assert checksum.entry() == {"bytes": size, "sha256": sha(data)}
+    else:
+        assert checksum.entry() == {"bytes": size, "block_bytes": 1000, "block_sha256": [sha(b) for b in blocks]}
+
+
+def test_a_file_on_disk_has_the_entry_of_its_bytes_written_as_a_stream(small_blocks, tmp_path):
+    data = os.urandom(2500)
+    (tmp_path / "f.bin").write_bytes(data)
+    checksum = checksums.Checksum()
+    checksum.update(data)
+    assert checksums.of_file(tmp_path / "f.bin") == checksum.entry()
+    assert len(checksum.entry()["block_sha256"]) == 3
+
+
+def committed(tmp_path, files):
+    staging = ckpt.prepare_staging(tmp_path, 1)
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    return ckpt.commit(tmp_path, 1, {"backend": "cpu"}, keep_last_n=1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_blocks_of_one_large_file_are_verified_by_every_rank(small_blocks, tmp_path, world_size):
+    """optimizer.pt is most of a FULL checkpoint's bytes: by blocks, every rank hashes about as much."""
+    final = committed(tmp_path, {"optimizer.pt": os.urandom(9500), "model.safetensors": os.urandom(2200),
+                                 "config.json": b"{}"})
+    manifest = ckpt.read_manifest(final)
+    assert len(manifest["files"]["optimizer.pt"]["block_sha256"]) == 10
+    shares = [ckpt.verify_share(manifest, rank, world_size) for rank in range(world_size)]
+    every = sorted((p.name, p.offset) for share in shares for p in share)
+    assert len(every) == len(set(every)) == 10 + 3 + 1  # each block once
+    assert {rank for rank, share in enumerate(shares) for p in share if p.name == "optimizer.pt"} == set(range(world_size))
+    loads = [sum(p.length for p in share) for share in shares]
+    assert max(loads) - min(loads) <= 1000
+    for rank in range(world_size):
+        assert ckpt.verify(final, rank, world_size)["step"] == 1
+
+
+def test_a_flipped_byte_in_a_block_is_found_by_the_rank_that_hashes_that_block(small_blocks, tmp_path):
+    data = bytearray(os.urandom(5000))
+    final = committed(tmp_path, {"optimizer.pt": bytes(data)})
+    data[3456] ^= 1  # block 3, same size: only its checksum tells
+    (final / "optimizer.pt").write_bytes(bytes(data))
+    shares = [ckpt.verify_share(ckpt.read_manifest(final), rank, 2) for rank in range(2)]
+    owner = next(r for r in range(2) if any(p.offset == 3000 for p in shares[r]))
+    ckpt.verify(final, 1 - owner, 2)
+    with user_error("train.resume", "optimizer.pt does not match its checksum"):
+        ckpt.verify(final, owner, 2)
+    with user_error("train.resume", "optimizer.pt does not match its checksum"):
+        ckpt.verify(final)  # one process hashes every block
+
+
+def test_pieces_are_reported_in_order_with_empty_files_among_them(small_blocks, tmp_path):
+    files = {"a.bin": os.urandom(1700), "b.bin": b"", "c.bin": os.urandom(40), "d.bin": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    share = [p for name in files for p in checksums.pieces(name, checksums.of_file(tmp_path / name))]
+    assert [(p.name, p.offset, p.length) for p in share] == [
+        ("a.bin", 0, 1000), ("a.bin", 1000, 700), ("b.bin", 0, 0), ("c.bin", 0, 40), ("d.bin", 0, 0)]
+    assert list(checksums.matching(tmp_path, share)) == [(p, True) for p in share]
+    assert list(checksums.matching(tmp_path, share[2:3])) == [(share[2], True)]  # only an empty file
+
+
+def test_a_manifest_of_whole_file_digests_still_verifies(tmp_path):
+    """Checkpoints written before the blocks: one sha256 per file, however large."""
+    data = os.urandom(3000)
+    final = committed(tmp_path, {"optimizer.pt": data})
+    manifest = ckpt.read_manifest(final)
+    assert manifest["files"]["optimizer.pt"] == {"bytes": 3000, "sha256": sha(data)}  # 64 MiB blocks: one
+    assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, sha(data))]
+    assert ckpt.verify(final, 0, 2)["step"] == 1
