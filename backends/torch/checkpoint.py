@@ -4,7 +4,8 @@ FULL_STATE_DICT: the weights as `save_pretrained` writes them (model.safetensors
 train.max_shard_size + model.safetensors.index.json, in train.save_dtype) + config.json + generation_config.json,
 a directory `from_pretrained` loads outside FSDP; streamed: each parameter is gathered in turn (`full_tensor`, a
 collective), and the rank owning its shard file copies it to the CPU and appends it to the file, hashing it on the
-way; no rank ever holds the whole model. Then `optimizer.pt` (rank 0, gathered to the CPU). SHARDED_STATE_DICT:
+way; no rank ever holds the whole model. `optimizer.pt`: gathered to rank 0's CPU first, then written there in a
+thread while the weights stream (their files go to the other ranks first: safetensors_shards). SHARDED_STATE_DICT:
 every rank writes its shards with torch.distributed.checkpoint under `sharded/` (read back through
 `checkpoint_reader.Reader`: each tensor's bytes straight into place). Both add `rng/rank_*.pt` per rank.
 `save_checkpoint` returns the files this rank wrote, with their checksums where they were hashed while written.
@@ -49,12 +50,15 @@ def save_checkpoint(state, directory: pathlib.Path):
     rank = dist.get_rank()
     written: dict = {}
     if state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
-        written.update(save_full_weights(state.model, directory, state.ctx.config.train))
-        optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)
+        optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)  # on rank 0's CPU
+        # rank 0 writes optimizer.pt while the weights stream to the files the other ranks own first
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-optimizer") as pool:
+            optimizer_file = pool.submit(_write_optimizer, optim_sd, directory) if rank == 0 else None
+            del optim_sd
+            written.update(save_full_weights(state.model, directory, state.ctx.config.train))
+            if optimizer_file is not None:
+                written.update(optimizer_file.result())
         if rank == 0:
-            with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
-                torch.save(optim_sd, f)
-            written[f.path] = f.digest
             written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
                                                      state.ctx.config.train.save_dtype))
     else:
@@ -69,6 +73,12 @@ def save_checkpoint(state, directory: pathlib.Path):
     if state.ctx.plan.state_dict_type != StateDictType.FULL_STATE_DICT:
         return _save_sharded(state, directory / checkpointing.SHARDED, rank, written)
     return written
+
+
+def _write_optimizer(optim_sd: dict, directory: pathlib.Path) -> dict:
+    with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
+        torch.save(optim_sd, f)
+    return {f.path: f.digest}
 
 
 def export_weights(state, directory: pathlib.Path) -> dict:
