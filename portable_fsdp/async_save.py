@@ -1,7 +1,7 @@
 """train.async_save: a SHARDED checkpoint written in the background while training goes on.
 
-The backend copies the state before returning (cpu/cuda: torch.distributed.checkpoint.async_save stages it to
-host memory) and hands back a future of its write. A thread per rank waits for it and leaves the rank's report
+The backend copies the state before returning (cpu/cuda: into shared host memory, written by the rank's writer
+process, backends/torch/save_process.py) and hands back a future of its write. A thread per rank waits for it and leaves the rank's report
 (checkpointing.write_report); on rank 0 the same thread then waits for every rank's report in the staging
 directory and commits (manifest, rename, `latest`, pruning). No collective runs there: the training thread keeps
 the process group to itself. At most one save is in flight: the next save, the end of the run and any stop wait

@@ -2,6 +2,8 @@
 save a checkpoint and stop (train.save_on_interrupt). A second signal, seconds later, stops at once."""
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import time
 
@@ -34,3 +36,16 @@ class InterruptFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when `parent_pid`, its parent, dies (PR_SET_PDEATHSIG; Linux only,
+    elsewhere nothing is tied). False when that parent is not (or no longer) this process's parent."""
+    if os.getppid() != parent_pid:
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return True
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    return os.getppid() == parent_pid  # it may have died before the signal was armed

@@ -44,15 +44,9 @@ def _die_with_launcher(launcher_pid: int) -> None:
     would have them save a checkpoint (train.save_on_interrupt) after the launcher's workdir lock is gone, racing
     the next run that takes the workdir over; a launcher killed with SIGKILL takes its workers with it instead
     (SIGINT and SIGTERM reach them through the launcher, which waits for their save). Linux only, as torch's."""
-    import ctypes
-    import signal
+    from portable_fsdp.interrupts import die_with_parent
 
     if os.getppid() != launcher_pid:  # not its child (another start method): nothing to tie
         return
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != launcher_pid:  # it died before the signal was armed
+    if not die_with_parent(launcher_pid):  # it died before the signal was armed
         os._exit(1)

@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import pathlib
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import export
-from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch import distributed, save_process
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
 from portable_fsdp.backends.torch.model import _fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
@@ -37,10 +36,6 @@ from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# dcp's file writer itself calls the deprecated `Tensor.storage()` (torch 2.9): a warning per rank and save that the
-# user can do nothing about. Process-wide, since a background save writes in dcp's own thread.
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
-                        module="torch.distributed.checkpoint.filesystem")
 
 
 def save_checkpoint(state, directory: pathlib.Path):
@@ -94,7 +89,7 @@ def export_weights(state, directory: pathlib.Path) -> dict:
 
 def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
     """torch.distributed.checkpoint's files; with train.async_save, a future of them: the state is copied to host
-    memory before this returns, then written in a thread while training goes on."""
+    memory before this returns, then written by this rank's writer process while training goes on."""
     bundle = {"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
     # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
     group = distributed.slow_group(_io_timeout(state))
@@ -106,8 +101,8 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
     if not state.ctx.config.train.async_save:
         dcp.save(bundle, checkpoint_id=str(sharded), process_group=group)
         return files()
-    upload = dcp.async_save(bundle, checkpoint_id=str(sharded), process_group=group,
-                            async_stager=_stager(state.ctx.runtime.device.type))
+    written_in_background = save_process.submit(_stager(state.ctx.runtime.device.type).stage(bundle), str(sharded),
+                                                _io_timeout(state))
     result = concurrent.futures.Future()
 
     def done(future) -> None:
@@ -117,15 +112,15 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
         except BaseException as err:
             result.set_exception(err)
 
-    upload.add_done_callback(done)
+    written_in_background.add_done_callback(done)
     return result
 
 
 @functools.cache
 def _stager(device_type: str) -> DefaultStager:
-    """One per process: the host copies of this rank's shards (pinned on CUDA) are allocated at the first
-    background save and refilled at the next ones, rather than allocated afresh at every save."""
-    return DefaultStager(StagingOptions(use_pinned_memory=device_type == "cuda", use_shared_memory=False,
+    """One per process: the host copies of this rank's shards (pinned on CUDA), in shared memory for the writer
+    process (save_process), are allocated at the first background save and refilled at the next ones."""
+    return DefaultStager(StagingOptions(use_pinned_memory=device_type == "cuda", use_shared_memory=True,
                                         use_async_staging=False, use_non_blocking_copy=False))
 
 

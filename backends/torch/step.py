@@ -24,6 +24,7 @@ from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradient
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import distributed
 from portable_fsdp.backends.torch import float8
+from portable_fsdp.backends.torch import save_process
 from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
@@ -393,4 +394,5 @@ def model_info(state: TrainState) -> ModelInfo:
 
 
 def finalize(state: TrainState | None = None) -> None:
+    save_process.close()
     distributed.shutdown()

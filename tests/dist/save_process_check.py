@@ -1,0 +1,81 @@
+"""Run by test_save_process.py under torchrun (2 ranks, gloo): each rank's background checkpoint writer process
+(backends/torch/save_process.py) writes the staged shards, keeps running through Ctrl-C, reports a failed write
+and a death as errors naming the rank, and is gone after close."""
+import os
+import pathlib
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from portable_fsdp.backends.torch import save_process
+from portable_fsdp.backends.torch.checkpoint import _stager
+
+
+def state(scale: float) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) * scale
+    return {"weight": distribute_tensor(full, mesh, [Shard(0)]), "step": torch.tensor([scale])}
+
+
+def write(bundle: dict, where: str):
+    return save_process.submit(_stager("cpu").stage(bundle), where, timeout_s=120)
+
+
+def read(where: str, scale: float) -> None:
+    fresh = state(0.0)
+    dcp.load(fresh, checkpoint_id=where)
+    assert torch.equal(fresh["weight"].full_tensor(), state(scale)["weight"].full_tensor()), where
+    assert fresh["step"].item() == scale
+
+
+def expect_failure(future, words: str) -> None:
+    try:
+        future.result()
+    except save_process.WriterFailed as err:
+        assert f"rank {dist.get_rank()}'s checkpoint writer" in str(err) and words in str(err), str(err)
+    else:
+        raise AssertionError(f"no error ({words})")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = pathlib.Path(sys.argv[1])
+    staged = _stager("cpu").stage(state(1.0))
+    assert staged["weight"].to_local().is_shared()  # handed to the writer as file descriptors, not bytes
+    write(state(1.0), str(root / "one")).result()
+    writer = save_process._writer.process
+    assert writer.pid != os.getpid() and writer.is_alive()
+    dist.barrier()
+    read(str(root / "one"), 1.0)
+
+    os.kill(writer.pid, signal.SIGINT)  # Ctrl-C reaches every process of the terminal's group
+    write(state(2.0), str(root / "two")).result()  # the same staging buffers, refilled
+    assert writer.is_alive()
+    dist.barrier()
+    read(str(root / "two"), 2.0)
+
+    (root / f"file_{rank}").write_text("not a directory")
+    expect_failure(write(state(3.0), str(root / f"file_{rank}" / "three")), "failed:")
+    write(state(4.0), str(root / "four")).result()  # the writer serves on after a failed save
+    dist.barrier()
+    read(str(root / "four"), 4.0)
+
+    dist.barrier()
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    expect_failure(write(state(5.0), str(root / "five")), "died")
+    save_process.close()
+    assert save_process._writer is None and not writer.is_alive()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
