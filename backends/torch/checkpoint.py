@@ -89,31 +89,43 @@ def export_weights(state, directory: pathlib.Path) -> dict:
 
 def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
     """torch.distributed.checkpoint's files; with train.async_save, a future of them: the state is copied to host
-    memory before this returns, then written by this rank's writer process while training goes on."""
+    memory in a thread while the next step computes its gradients (the step waits for the copy before its update:
+    `staged`), then written by this rank's writer process while training goes on."""
     bundle = {"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
-    # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
-    group = distributed.slow_group(_io_timeout(state))
-
-    def files() -> dict:
-        mine = {p: None for p in sharded.glob(f"__{rank}_*.distcp")}
-        return {**written, **mine, **({p: None for p in sharded.glob(".metadata")} if rank == 0 else {})}
 
     if not state.ctx.config.train.async_save:
-        dcp.save(bundle, checkpoint_id=str(sharded), process_group=group)
-        return files()
-    written_in_background = save_process.submit(_stager(state.ctx.runtime.device.type).stage(bundle), str(sharded),
-                                                _io_timeout(state))
+        # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
+        dcp.save(bundle, checkpoint_id=str(sharded), process_group=distributed.slow_group(_io_timeout(state)))
+        return {**written, **{p: None for p in save_process.written_files(sharded, rank)}}
+    # the copy into host memory overlaps the next step's forward and backward: only its update must wait (`staged`)
+    staging = _staging_thread().submit(_stager(state.ctx.runtime.device.type).stage, bundle)
+    _staging.append(staging)
+    written_in_background = save_process.submit(staging, str(sharded), _io_timeout(state))
     result = concurrent.futures.Future()
 
     def done(future) -> None:
         try:
-            future.result()
-            result.set_result(files())
+            result.set_result({**written, **future.result()})
         except BaseException as err:
             result.set_exception(err)
 
     written_in_background.add_done_callback(done)
     return result
+
+
+_staging: list = []  # the copy of a background save's state still being made
+
+
+def staged() -> None:
+    """Before the parameters or the optimizer state change (the training step's update): the copy of them that a
+    background save is making is complete; its error, if it had one, is raised here."""
+    while _staging:
+        _staging.pop(0).result()
+
+
+@functools.cache
+def _staging_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-staging")
 
 
 @functools.cache

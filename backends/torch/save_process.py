@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import os
+import pathlib
 import signal
 import socket
 import time
@@ -26,6 +27,7 @@ import warnings
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from portable_fsdp import checkpointing
 from portable_fsdp.interrupts import die_with_parent
 
 # dcp's file writer itself calls the deprecated `Tensor.storage()` (torch 2.9): a warning per rank and save that the
@@ -56,8 +58,10 @@ class _Writer:
         self.rank, self.timeout_s, self._ready = rank, timeout_s, False
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-writer")
 
-    def write(self, staged: dict, checkpoint_id: str) -> None:
-        """In the pool's thread: hand `staged` to the writer and wait until it is on disk."""
+    def write(self, staging: concurrent.futures.Future, checkpoint_id: str) -> dict:
+        """In the pool's thread: hand the staged state to the writer once `staging` has it, and wait until it is on
+        disk. Returns {path: manifest entry} of the files it wrote (fsynced and checksummed there)."""
+        staged = staging.result()
         if not self._ready:
             self._reply()  # the writer's start-up (imports, its group's rendezvous)
             self._ready = True
@@ -65,9 +69,9 @@ class _Writer:
             self._requests.send((staged, checkpoint_id))
         except OSError:  # the pipe is broken: the writer is gone
             raise self._died() from None
-        self._reply()
+        return {pathlib.Path(path): entry for path, entry in self._reply().items()}
 
-    def _reply(self) -> None:
+    def _reply(self) -> dict:
         deadline = time.monotonic() + self.timeout_s
         while not self._requests.poll(1.0):
             if not self.process.is_alive():
@@ -75,11 +79,12 @@ class _Writer:
             if time.monotonic() > deadline:
                 raise WriterFailed(f"rank {self.rank}'s checkpoint writer did not finish within {self.timeout_s:.0f} s")
         try:
-            reply = self._requests.recv()
+            ok, reply = self._requests.recv()
         except EOFError:
             raise self._died() from None
-        if reply is not None:
+        if not ok:
             raise WriterFailed(f"rank {self.rank}'s checkpoint writer failed: {reply}")
+        return reply
 
     def _died(self) -> WriterFailed:
         self.process.join()
@@ -103,14 +108,14 @@ class _Writer:
 _writer: _Writer | None = None
 
 
-def submit(staged: dict, checkpoint_id: str, timeout_s: float) -> concurrent.futures.Future:
-    """Every rank, from the training thread: a future that is done once this rank's part of `staged` (its shards,
-    in shared memory, left untouched until then) is written under `checkpoint_id`. The first call spawns the
-    writers; `timeout_s` bounds their collectives and each wait on them."""
+def submit(staging: concurrent.futures.Future, checkpoint_id: str, timeout_s: float) -> concurrent.futures.Future:
+    """Every rank, from the training thread: a future of {path: manifest entry} of the files this rank's part of
+    the state `staging` gives (its shards, in shared memory, left untouched until then) is written to under
+    `checkpoint_id`. The first call spawns the writers; `timeout_s` bounds their collectives and each wait on them."""
     global _writer
     if _writer is None:
         _writer = _Writer(timeout_s)
-    return _writer.pool.submit(_writer.write, staged, checkpoint_id)
+    return _writer.pool.submit(_writer.write, staging, checkpoint_id)
 
 
 def close() -> None:
@@ -121,6 +126,13 @@ def close() -> None:
         writer.close()
 
 
+def written_files(directory, rank: int) -> list:
+    """The files torch.distributed.checkpoint's file writer leaves for `rank` in `directory` (rank 0: and the
+    metadata)."""
+    directory = pathlib.Path(directory)
+    return sorted(directory.glob(f"__{rank}_*.distcp")) + sorted(directory.glob(".metadata") if rank == 0 else [])
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("", 0))
@@ -129,7 +141,7 @@ def _free_port() -> int:
 
 def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s: float, parent: int) -> None:
     """The writer process: join the writers' group, then write each staged state sent until None (or the pipe
-    closes)."""
+    closes), fsync and checksum its files, and reply (True, {path: manifest entry}) or (False, the error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C pending since the spawn is dropped
     if not die_with_parent(parent):  # the rank is gone already
@@ -142,9 +154,9 @@ def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s
     try:
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        requests.send(None)
+        requests.send((True, {}))
     except Exception as err:
-        requests.send(_one_line(err))
+        requests.send((False, _one_line(err)))
         return
     try:
         while True:
@@ -157,9 +169,9 @@ def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s
             staged, checkpoint_id = request
             try:
                 dcp.save(staged, checkpoint_id=checkpoint_id)
-                reply = None
+                reply = True, {str(path): checkpointing.digest(path) for path in written_files(checkpoint_id, rank)}
             except BaseException as err:  # dcp's CheckpointException is one
-                reply = _one_line(err)
+                reply = False, _one_line(err)
             del staged, request
             requests.send(reply)
     finally:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from portable_fsdp.backends.hf_torch import chunked_loss, matmul, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
-from portable_fsdp.backends.torch import distributed
+from portable_fsdp.backends.torch import checkpoint, distributed
 from portable_fsdp.backends.torch import float8
 from portable_fsdp.backends.torch import save_process
 from portable_fsdp.backends.torch import sequence_parallel
@@ -129,6 +129,7 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     loss, global_tokens = compute_gradients(state, micro_batches)
     grad_norm = clip_grad_norm(state.model, ctx.config.train.max_grad_norm, ctx.runtime.device)
     lr = ctx.schedule(state.step)
+    checkpoint.staged()  # a background save's copy of the weights and moments, made during the forward and backward
     finite = apply_update(state.optimizer, lr, loss, grad_norm, state.step + 1, ctx.config.train.nonfinite)
     metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics

@@ -1,6 +1,7 @@
 """Run by test_save_process.py under torchrun (2 ranks, gloo): each rank's background checkpoint writer process
-(backends/torch/save_process.py) writes the staged shards, keeps running through Ctrl-C, reports a failed write
+(backends/torch/save_process.py) writes and checksums the staged shards, keeps running through Ctrl-C, reports a failed write
 and a death as errors naming the rank, and is gone after close."""
+import concurrent.futures
 import os
 import pathlib
 import signal
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from portable_fsdp import checkpointing
 from portable_fsdp.backends.torch import save_process
 from portable_fsdp.backends.torch.checkpoint import _stager
 
@@ -23,7 +25,9 @@ def state(scale: float) -> dict:
 
 
 def write(bundle: dict, where: str):
-    return save_process.submit(_stager("cpu").stage(bundle), where, timeout_s=120)
+    staging = concurrent.futures.Future()
+    staging.set_result(_stager("cpu").stage(bundle))
+    return save_process.submit(staging, where, timeout_s=120)
 
 
 def read(where: str, scale: float) -> None:
@@ -48,7 +52,9 @@ def main() -> None:
     root = pathlib.Path(sys.argv[1])
     staged = _stager("cpu").stage(state(1.0))
     assert staged["weight"].to_local().is_shared()  # handed to the writer as file descriptors, not bytes
-    write(state(1.0), str(root / "one")).result()
+    files = write(state(1.0), str(root / "one")).result()
+    assert set(files) == set(save_process.written_files(root / "one", rank)) and files  # its shards (rank 0: metadata)
+    assert all(entry == checkpointing.digest(path) for path, entry in files.items())  # fsynced and checksummed there
     writer = save_process._writer.process
     assert writer.pid != os.getpid() and writer.is_alive()
     dist.barrier()
