@@ -39,7 +39,7 @@ QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers":
 LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 BLOCK = 64 * 2**20
 STEPS = 4  # training steps timed with a save after the first (train.async_save against a save in the foreground)
-ROUNDS = 2
+ROUNDS = 3
 
 
 def _drop_cache(paths) -> None:
@@ -201,8 +201,10 @@ def _run(nproc: int, spec: dict) -> dict:
 
 
 def _lost_table(lost: dict) -> str:
-    return table(["save", "steps + save s", "in the save call s", "step time lost s", "lost / foreground's"],
+    return table(["save", "steps + save s", "in the save call s", "step time lost s", "each round's s",
+                  "lost / foreground's"],
                  [[mode, f"{lost[mode]['total_s']:.1f}", f"{lost[mode]['save_call_s']:.1f}", f"{lost[mode]['lost_s']:.1f}",
+                   " ".join(f"{r['lost_s']:.1f}" for r in lost[mode]["runs"]),
                    f"{lost[mode]['lost_s'] / lost['sync']['lost_s']:.2f}"] for mode in ("sync", "async")])
 
 
