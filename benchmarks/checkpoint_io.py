@@ -39,7 +39,7 @@ QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers":
 LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 BLOCK = 64 * 2**20
 STEPS = 4  # training steps timed with a save after the first (train.async_save against a save in the foreground)
-ROUNDS = 3
+ROUNDS = 5
 
 
 def _drop_cache(paths) -> None:
@@ -144,7 +144,8 @@ def _against_the_disk(backend, state, config, plan, spec, results):
 def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     """Wall time of STEPS training steps with a SHARDED save after the first, written in the foreground or in the
     background (train.async_save), against the same steps without a save: after a first background save (a run's
-    first allocates its staging buffers), ROUNDS rounds of none, sync, async, and a last none; each save's run is compared with the mean of the runs without a save around it (medians over
+    first allocates its staging buffers and starts the writer processes), ROUNDS rounds of none, sync, async, and a
+    last none; each save's run is compared with the mean of the runs without a save around it (medians over
     rounds)."""
     import copy
     import statistics

@@ -6,6 +6,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,5 +84,19 @@ def main() -> None:
     print(f"rank {rank}: ok", flush=True)
 
 
+def hold() -> None:
+    """Two ranks started by hand; only rank 0 saves, so its writer waits in its group's rendezvous for rank 1's
+    (busy, not reading requests). Rank 0 says its writer's pid and both wait to be killed."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        staging = concurrent.futures.Future()
+        staging.set_result({"step": torch.tensor([1.0])})
+        save_process.submit(staging, sys.argv[1], timeout_s=300)
+        print(save_process._writer.process.pid, flush=True)
+    else:
+        dist.broadcast_object_list([None], src=0)  # the writers' address, as rank 1's own first save would take it
+    time.sleep(600)
+
+
 if __name__ == "__main__":
-    main()
+    hold() if sys.argv[2:] == ["hold"] else main()
