@@ -1,8 +1,9 @@
 """Checkpoint save and resume against the disk's own rate: a ~1.1 GB (fp32) Llama, 2 CPU ranks (gloo), FULL and
 SHARDED checkpoints, each save and resume timed end to end and compared with a raw write (then read) of the same
-number of bytes on the same disk, measured in the same run.
+number of bytes on the same disk, measured right after each save and resume (DISK_ROUNDS rounds: the shared disk's
+rate moves between minutes).
 
-    python -m benchmarks.checkpoint_io            # 246M parameters: 2.95 GB checkpoints with AdamW (~15 min)
+    python -m benchmarks.checkpoint_io            # 246M parameters: 2.95 GB checkpoints with AdamW (~25 min)
     python -m benchmarks.checkpoint_io --quick    # a tiny model: checks the script works, measures nothing
 
 The workers start under torchrun and run the product's own code: `backend.init`, one training step (AdamW's state
@@ -26,6 +27,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -40,6 +42,7 @@ LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 BLOCK = 64 * 2**20
 STEPS = 4  # training steps timed with a save after the first (train.async_save against a save in the foreground)
 ROUNDS = 5
+DISK_ROUNDS = 3  # save, resume and the raw write and read, each layout
 
 
 def _drop_cache(paths) -> None:
@@ -111,33 +114,38 @@ def _worker(spec: dict) -> None:
 
 
 def _against_the_disk(backend, state, config, plan, spec, results):
-    """Each layout's save and resume, timed, and (rank 0) the raw write and read of as many bytes."""
+    """Each layout's save and resume, timed, and (rank 0) the raw write and read of as many bytes right after, in
+    DISK_ROUNDS rounds: the disk's rate moves between minutes, so each save is set against the raw rate of its own
+    round."""
     from portable_fsdp import checkpointing, loop
 
     rank = backend.placement(state).rank
-    for layout in LAYOUTS:
-        workdir = pathlib.Path(spec["workdir"]) / layout
-        layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
-        state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
-        info = loop._manifest_info(config, layout_plan, "cpu", backend.placement(state))
-        backend.barrier(state)
-        began = time.perf_counter()
-        final = loop.save(backend, state, workdir, info, keep_last_n=1, is_main=rank == 0)
-        save_s = time.perf_counter() - began
-        _drop_cache(_files(final))
-        backend.barrier(state)
-        began = time.perf_counter()
-        state = loop._resume(backend, state, final, config, "cpu")
-        backend.barrier(state)
-        resume_s = time.perf_counter() - began
-        results[layout] = {"bytes": checkpointing.total_bytes(checkpointing.read_manifest(final)),
-                           "files": len(checkpointing.read_manifest(final)["files"]),
-                           "save_s": save_s, "resume_s": resume_s}
-        if rank == 0:
-            results[layout]["raw"] = raw_rates(pathlib.Path(spec["workdir"]), results[layout]["bytes"])
-        backend.barrier(state)
-        if rank == 0:
-            shutil.rmtree(workdir)
+    for round_ in range(spec["disk_rounds"]):
+        for layout in LAYOUTS:
+            workdir = pathlib.Path(spec["workdir"]) / layout
+            layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
+            state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
+            info = loop._manifest_info(config, layout_plan, "cpu", backend.placement(state))
+            backend.barrier(state)
+            began = time.perf_counter()
+            final = loop.save(backend, state, workdir, info, keep_last_n=1, is_main=rank == 0)
+            save_s = time.perf_counter() - began
+            _drop_cache(_files(final))
+            backend.barrier(state)
+            began = time.perf_counter()
+            state = loop._resume(backend, state, final, config, "cpu")
+            backend.barrier(state)
+            resume_s = time.perf_counter() - began
+            manifest = checkpointing.read_manifest(final)
+            entry = results.setdefault(layout, {"bytes": checkpointing.total_bytes(manifest),
+                                                "files": len(manifest["files"]), "rounds": []})
+            measured = {"save_s": save_s, "resume_s": resume_s}
+            if rank == 0:
+                measured["raw"] = raw_rates(pathlib.Path(spec["workdir"]), entry["bytes"])
+            entry["rounds"].append(measured)
+            backend.barrier(state)
+            if rank == 0:
+                shutil.rmtree(workdir)
     return state
 
 
@@ -148,7 +156,6 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     last none; each save's run is compared with the mean of the runs without a save around it (medians over
     rounds)."""
     import copy
-    import statistics
 
     from portable_fsdp import async_save, loop
 
@@ -220,21 +227,27 @@ def main() -> None:
         _worker(json.loads(args.worker))
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        spec = {"model": QUICK_MODEL if args.quick else MODEL, "workdir": tmp, "steps": STEPS, "rounds": 1 if args.quick else ROUNDS}
+        spec = {"model": QUICK_MODEL if args.quick else MODEL, "workdir": tmp, "steps": STEPS,
+                "rounds": 1 if args.quick else ROUNDS, "disk_rounds": 1 if args.quick else DISK_ROUNDS}
         results = _run(args.nproc, {**spec, "disk": True, "threads": 0})
         results["core_free"] = _run(1, {**spec, "disk": False, "threads": 1})
     rows = []
     for layout in LAYOUTS:
         r = results[layout]
-        gb, raw = r["bytes"] / 1e9, r["raw"]
+        gb, rounds = r["bytes"] / 1e9, r["rounds"]
+        median = lambda key: statistics.median(key(m) for m in rounds)  # noqa: E731
+        ratios = {what: sorted(m[f"{what}_s"] / m["raw"][f"{raw}_s"] for m in rounds)
+                  for what, raw in (("save", "write"), ("resume", "read"))}
+        r["x_raw"] = {what: statistics.median(values) for what, values in ratios.items()}
         rows.append([layout.split("_")[0], f"{gb:.2f}", r["files"],
-                     f"{r['save_s']:.1f}", f"{gb * 1e3 / r['save_s']:,.0f}", f"{raw['write_s']:.1f}",
-                     f"{r['save_s'] / raw['write_s']:.2f}",
-                     f"{r['resume_s']:.1f}", f"{gb * 1e3 / r['resume_s']:,.0f}", f"{raw['read_s']:.1f}",
-                     f"{r['resume_s'] / raw['read_s']:.2f}"])
+                     f"{median(lambda m: m['save_s']):.1f}", f"{median(lambda m: m['raw']['write_s']):.1f}",
+                     f"{r['x_raw']['save']:.2f} ({ratios['save'][0]:.2f}-{ratios['save'][-1]:.2f})",
+                     f"{median(lambda m: m['resume_s']):.1f}", f"{median(lambda m: m['raw']['read_s']):.1f}",
+                     f"{r['x_raw']['resume']:.2f} ({ratios['resume'][0]:.2f}-{ratios['resume'][-1]:.2f})"])
     print(f"{results['n_params'] / 1e6:.0f}M parameters, {args.nproc} CPU ranks")
-    print(table(["layout", "GB", "files", "save s", "save MB/s", "raw write s", "save x raw",
-                 "resume s", "resume MB/s", "raw read s", "resume x raw"], rows))
+    print(f"medians of {len(results[LAYOUTS[0]]['rounds'])} rounds; x raw: each round's time over the raw one of the same round (range)")
+    print(table(["layout", "GB", "files", "save s", "raw write s", "save x raw", "resume s", "raw read s",
+                 "resume x raw"], rows))
     for lost, where in ((results["step_time_lost"], f"{args.nproc} ranks, every core busy"),
                         (results["core_free"]["step_time_lost"], "1 rank of 1 intra-op thread, a core free for the save")):
         print(f"\n{where}: {lost['steps']} training steps with a SHARDED save after the first, against the same steps "
