@@ -1,5 +1,6 @@
 """SIGINT / SIGTERM during training: note the request, let the loop finish the step, agree across ranks,
-save a checkpoint and stop (train.save_on_interrupt). A second signal, seconds later, stops at once."""
+save a checkpoint and stop (train.save_on_interrupt). A second signal, seconds later, stops at once. And the
+other way round: a helper process that the kernel stops when its parent dies (`die_with_parent`)."""
 from __future__ import annotations
 
 import ctypes
