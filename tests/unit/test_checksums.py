@@ -1,6 +1,7 @@
 """Checkpoint files checksummed block by block, and the blocks of one large file verified by several ranks
 (portable_fsdp/checksums.py, checkpointing.verify)."""
 import hashlib
+import json
 import os
 
 import pytest
@@ -91,11 +92,17 @@ def test_pieces_are_reported_in_order_with_empty_files_among_them(small_blocks, 
     assert list(checksums.matching(tmp_path, share[2:3])) == [(share[2], True)]  # only an empty file
 
 
-def test_a_manifest_of_whole_file_digests_still_verifies(tmp_path):
-    """Checkpoints written before the blocks: one sha256 per file, however large."""
-    data = os.urandom(3000)
-    final = committed(tmp_path, {"optimizer.pt": data})
+def test_a_manifest_of_whole_file_digests_still_verifies(small_blocks, tmp_path):
+    """Checkpoints written before the blocks: one sha256 per file, however large (here 3 blocks' worth)."""
+    data = bytearray(os.urandom(3000))
+    final = committed(tmp_path, {"optimizer.pt": bytes(data)})
     manifest = ckpt.read_manifest(final)
-    assert manifest["files"]["optimizer.pt"] == {"bytes": 3000, "sha256": sha(data)}  # 64 MiB blocks: one
-    assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, sha(data))]
+    manifest["files"]["optimizer.pt"] = {"bytes": 3000, "sha256": sha(bytes(data))}  # as the old writer left it
+    (final / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, sha(bytes(data)))]
+    assert ckpt.verify_share(manifest, 1, 2) == []
     assert ckpt.verify(final, 0, 2)["step"] == 1
+    data[2999] ^= 1
+    (final / "optimizer.pt").write_bytes(bytes(data))
+    with user_error("train.resume", "optimizer.pt does not match its checksum"):
+        ckpt.verify(final, 0, 2)
