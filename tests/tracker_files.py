@@ -31,6 +31,8 @@ def wandb_records(run_dir):
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # wandb's service is still writing this chunk: read it on the next poll
+            return
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):

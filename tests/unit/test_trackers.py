@@ -7,7 +7,7 @@ import pytest
 from portable_fsdp import run, trackers
 from portable_fsdp.config import apply_override, load_recipe
 from tests.conftest import TEST_RECIPE
-from tests.tracker_files import scalar_steps, tensorboard_events, wandb_config, wandb_history
+from tests.tracker_files import scalar_steps, tensorboard_events, wandb_config, wandb_history, wandb_records
 from tests.unit._helpers import user_error
 
 RECORDS = [
@@ -113,6 +113,13 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     assert (rows[2]["loss"], rows[2]["eval_loss"], rows[2]["perplexity"], rows[2]["peak_mem_mb/max"]) == (
         4.5, 4.4, 81.45, 131.0)  # a step's training and eval records are one row
     config = wandb_config(run_dir)
+
+    # The file read while wandb's service is mid-record: the records before the cut, none half-parsed.
+    [log] = run_dir.glob("run-*.wandb")
+    records = list(wandb_records(run_dir))
+    log.write_bytes(log.read_bytes()[:-3])
+    assert len(list(wandb_records(run_dir))) == len(records) - 1
+
     assert config["train.report_to"] == "wandb" and config["backend"] == "cpu"
 
     # A resumed run keeps the run id; a fresh run in the same directory gets a new one.
