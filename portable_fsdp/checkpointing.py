@@ -4,9 +4,10 @@
 <workdir>/checkpoints/latest          the name of the newest complete one
 A save writes into `.tmp-step_…`, then renames: a crash at any moment leaves the previous checkpoint and `latest`
 untouched. Each rank fsyncs and checksums the files it wrote as it writes them (in parallel) and leaves
-`.reports/rank_XXXXX.json` ({path: bytes, sha256 (per 64 MiB block of a larger file: portable_fsdp.checksums)});
-rank 0 gathers the reports into manifest.json, written last. On resume each rank checks the sizes of every file and
-the checksums of its share (a 1/world_size of the bytes, blocks of one large file spread over the ranks).
+`.reports/rank_XXXXX.json` ({path: bytes, XXH3-128 (per 64 MiB block of a larger file: portable_fsdp.checksums)});
+rank 0 gathers the reports into manifest.json, written last. On resume each rank checks the sizes of every file, then
+the checksums of its share (a 1/world_size of the bytes, blocks of one large file spread over the ranks) while the
+checkpoint loads into memory; training starts only once every share matched.
 Waits around a save or a verification are bounded by `io_timeout_s`: train.collective_timeout_s plus the bytes at a
 conservative IO_BYTES_PER_S, so a 70B model's hundreds of GB never run into a fixed timeout.
 
@@ -30,6 +31,7 @@ import json
 import os
 import pathlib
 import shutil
+import threading
 import time
 
 from portable_fsdp import checksums, faults, safetensors_shards
@@ -141,7 +143,7 @@ def wait_bound_s(n_params: int, floor_s: float) -> float:
 
 
 def write_report(staging: pathlib.Path, rank: int, files: dict) -> None:
-    """Every rank, after writing: {path: {"bytes", "sha256"} or None (checksummed here)} of the files it wrote,
+    """Every rank, after writing: {path: its checksums.Checksum entry, or None (checksummed here)} of the files it wrote,
     as `.reports/rank_XXXXX.json` in the staging directory (for rank 0's commit)."""
     staging = pathlib.Path(staging)
     listing = {str(pathlib.Path(p).relative_to(staging)): (d or digest(p)) for p, d in files.items()}
@@ -284,14 +286,22 @@ def read_manifest(path: pathlib.Path) -> dict:
 
 
 def verify(path: pathlib.Path, rank: int = 0, world_size: int = 1) -> dict:
-    """Before anything is loaded: every file the manifest lists is there with its size, and this rank's share of
-    the bytes (`verify_share`; all of them with one process) matches its checksums. Returns the manifest."""
-    path = pathlib.Path(path)
+    """Every file the manifest lists is there with its size, and this rank's share of the bytes (`verify_share`; all of them with one process) matches its checksums. Returns the manifest."""
     manifest = verify_sizes(path)
+    verify_checksums(path, manifest, rank, world_size)
+    return manifest
+
+
+def verify_checksums(path: pathlib.Path, manifest: dict, rank: int = 0, world_size: int = 1,
+                     stop: threading.Event | None = None) -> None:
+    """This rank's share of the bytes against their checksums: raises on the first piece that differs. `stop`
+    ends it early, between pieces (a resume whose load failed stops its verification in the background)."""
+    path = pathlib.Path(path)
     for piece, matches in checksums.matching(path, verify_share(manifest, rank, world_size)):
         if not matches:
             raise _mismatch(path / piece.name)
-    return manifest
+        if stop is not None and stop.is_set():
+            return
 
 
 def verify_sizes(path: pathlib.Path) -> dict:
@@ -308,6 +318,10 @@ def verify_sizes(path: pathlib.Path) -> dict:
             raise UserError("train.resume", f"{file} is missing; the checkpoint is incomplete — resume from another one")
         if file.stat().st_size != expected["bytes"]:
             raise _mismatch(file)
+        try:
+            checksums.pieces(name, expected)
+        except ValueError as err:
+            raise UserError("train.resume", f"{path / MANIFEST}: {err}; resume from another checkpoint") from None
     return manifest
 
 

@@ -1,9 +1,9 @@
 """The shared checkpoint layout and atomic commit (portable_fsdp/checkpointing.py)."""
-import hashlib
 import json
 import os
 
 import pytest
+import xxhash
 
 from portable_fsdp import checkpointing as ckpt, checksums
 from tests.unit._helpers import user_error
@@ -50,7 +50,7 @@ def test_commit_writes_step_dir_and_manifest(tmp_path):
     assert set(manifest["files"]) == set(files)
     for rel, data in files.items():
         entry = manifest["files"][rel]
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
         assert (final / rel).read_bytes() == data
     assert "manifest.json" not in manifest["files"]
 
@@ -228,7 +228,7 @@ def test_ranks_report_their_own_checksums_and_the_commit_gathers_them(tmp_path, 
     assert hashed == ["config.json"]  # rank 0 hashed nothing another rank reported
     listing = ckpt.read_manifest(final)["files"]
     assert set(listing) == {"config.json", *files[0], *files[1]}
-    assert listing["model-00002-of-00002.safetensors"] == {"bytes": 32, "sha256": hashlib.sha256(b"b" * 32).hexdigest()}
+    assert listing["model-00002-of-00002.safetensors"] == {"bytes": 32, "xxh3_128": xxhash.xxh3_128(b"b" * 32).hexdigest()}
     assert not (final / ckpt.REPORTS).exists()
     monkeypatch.setattr(checksums, "of_file", real)
     assert ckpt.verify(final)["step"] == 3
@@ -237,13 +237,13 @@ def test_ranks_report_their_own_checksums_and_the_commit_gathers_them(tmp_path, 
 def test_a_digest_computed_while_writing_is_taken_as_given(tmp_path):
     staging = ckpt.prepare_staging(tmp_path, 1)
     (staging / "w.bin").write_bytes(b"xyz")
-    digest = {"bytes": 3, "sha256": hashlib.sha256(b"xyz").hexdigest()}
+    digest = {"bytes": 3, "xxh3_128": xxhash.xxh3_128(b"xyz").hexdigest()}
     ckpt.write_report(staging, 0, {staging / "w.bin": digest})
     assert json.loads((staging / ckpt.REPORTS / "rank_00000.json").read_text()) == {"w.bin": digest}
 
 
 def manifest_of(sizes):
-    return {"files": {name: {"bytes": size, "sha256": ""} for name, size in sizes.items()}}
+    return {"files": {name: {"bytes": size, "xxh3_128": ""} for name, size in sizes.items()}}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
@@ -295,4 +295,4 @@ def test_a_file_written_through_hashing_writer_is_checksummed_on_the_way(tmp_pat
             f.write(piece)
     data = (tmp_path / "optimizer.pt").read_bytes()
     assert data == b"".join(bytes(p) for p in pieces)
-    assert f.digest == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} == ckpt.digest(f.path)
+    assert f.digest == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()} == ckpt.digest(f.path)

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import xxhash
 
 from portable_fsdp import checkpointing as ckpt, checksums
 from tests.unit._helpers import user_error
@@ -21,6 +22,17 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def xxh(data: bytes) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def test_a_file_s_digest_is_what_xxh128sum_prints():
+    assert xxh(b"") == "99aa06d3014798d86001c324468d497f"  # xxh128sum of an empty file
+    checksum = checksums.Checksum()
+    checksum.update(b"")
+    assert checksum.entry() == {"bytes": 0, "xxh3_128": "99aa06d3014798d86001c324468d497f"}
+
+
 @pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 3500, 4000])
 def test_a_stream_fed_in_any_pieces_gets_one_digest_per_block(small_blocks, size):
     data = os.urandom(size)
@@ -28,10 +40,10 @@ def test_a_stream_fed_in_any_pieces_gets_one_digest_per_block(small_blocks, size
     for start in range(0, size, 137):  # pieces that straddle the blocks
         checksum.update(data[start:start + 137])
     blocks = [data[i:i + 1000] for i in range(0, size, 1000)] or [b""]
-    if len(blocks) == 1:  # one block: the file's own sha256, as sha256sum prints it
-        assert checksum.entry() == {"bytes": size, "sha256": sha(data)}
+    if len(blocks) == 1:  # one block: the file's own digest
+        assert checksum.entry() == {"bytes": size, "xxh3_128": xxh(data)}
     else:
-        assert checksum.entry() == {"bytes": size, "block_bytes": 1000, "block_sha256": [sha(b) for b in blocks]}
+        assert checksum.entry() == {"bytes": size, "block_bytes": 1000, "block_xxh3_128": [xxh(b) for b in blocks]}
 
 
 def test_a_file_on_disk_has_the_entry_of_its_bytes_written_as_a_stream(small_blocks, tmp_path):
@@ -40,7 +52,7 @@ def test_a_file_on_disk_has_the_entry_of_its_bytes_written_as_a_stream(small_blo
     checksum = checksums.Checksum()
     checksum.update(data)
     assert checksums.of_file(tmp_path / "f.bin") == checksum.entry()
-    assert len(checksum.entry()["block_sha256"]) == 3
+    assert len(checksum.entry()["block_xxh3_128"]) == 3
 
 
 def committed(tmp_path, files):
@@ -56,7 +68,7 @@ def test_the_blocks_of_one_large_file_are_verified_by_every_rank(small_blocks, t
     final = committed(tmp_path, {"optimizer.pt": os.urandom(9500), "model.safetensors": os.urandom(2200),
                                  "config.json": b"{}"})
     manifest = ckpt.read_manifest(final)
-    assert len(manifest["files"]["optimizer.pt"]["block_sha256"]) == 10
+    assert len(manifest["files"]["optimizer.pt"]["block_xxh3_128"]) == 10
     shares = [ckpt.verify_share(manifest, rank, world_size) for rank in range(world_size)]
     every = sorted((p.name, p.offset) for share in shares for p in share)
     assert len(every) == len(set(every)) == 10 + 3 + 1  # each block once
@@ -92,17 +104,33 @@ def test_pieces_are_reported_in_order_with_empty_files_among_them(small_blocks, 
     assert list(checksums.matching(tmp_path, share[2:3])) == [(share[2], True)]  # only an empty file
 
 
-def test_a_manifest_of_whole_file_digests_still_verifies(small_blocks, tmp_path):
-    """Checkpoints written before the blocks: one sha256 per file, however large (here 3 blocks' worth)."""
+@pytest.mark.parametrize("written_as", ["sha256 per file", "sha256 per block"])
+def test_a_manifest_of_sha256_digests_still_verifies(small_blocks, tmp_path, written_as):
+    """Checkpoints of earlier versions: sha256 of every file, however large (here 3 blocks' worth), or of every
+    block."""
     data = bytearray(os.urandom(3000))
     final = committed(tmp_path, {"optimizer.pt": bytes(data)})
     manifest = ckpt.read_manifest(final)
-    manifest["files"]["optimizer.pt"] = {"bytes": 3000, "sha256": sha(bytes(data))}  # as the old writer left it
+    if written_as == "sha256 per file":
+        manifest["files"]["optimizer.pt"] = {"bytes": 3000, "sha256": sha(bytes(data))}
+        assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, "sha256", sha(bytes(data)))]
+        assert ckpt.verify_share(manifest, 1, 2) == []
+    else:
+        manifest["files"]["optimizer.pt"] = {"bytes": 3000, "block_bytes": 1000,
+                                             "block_sha256": [sha(bytes(data[i:i + 1000])) for i in (0, 1000, 2000)]}
     (final / ckpt.MANIFEST).write_text(json.dumps(manifest))
-    assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, sha(bytes(data)))]
-    assert ckpt.verify_share(manifest, 1, 2) == []
-    assert ckpt.verify(final, 0, 2)["step"] == 1
+    assert ckpt.verify(final, 0, 2)["step"] == 1 and ckpt.verify(final, 1, 2)["step"] == 1
     data[2999] ^= 1
     (final / "optimizer.pt").write_bytes(bytes(data))
     with user_error("train.resume", "optimizer.pt does not match its checksum"):
-        ckpt.verify(final, 0, 2)
+        ckpt.verify(final)
+
+
+def test_a_manifest_entry_of_an_unknown_hash_is_refused_in_one_line(tmp_path):
+    final = committed(tmp_path, {"optimizer.pt": b"x" * 10})
+    manifest = ckpt.read_manifest(final)
+    manifest["files"]["optimizer.pt"] = {"bytes": 10, "blake3": "00"}
+    (final / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with user_error("train.resume", "the manifest entry of optimizer.pt holds no checksum this version reads "
+                    "(xxh3_128, sha256); resume from another checkpoint"):
+        ckpt.verify_sizes(final)
