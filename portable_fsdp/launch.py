@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import pathlib
 import socket
@@ -203,6 +204,10 @@ def _elastic_launch(spec: dict, nproc: int, nodes: LaunchSettings) -> dict | Non
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     spec = {**spec, "launcher_pid": os.getpid()}  # the workers stop if this process dies (worker.main)
+    # A failed worker is named once: by its own `error:` line or by `_report_failure`. torch would log its agent's
+    # polling traceback besides, and each worker it then stops.
+    for logger in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
     # The agent's per-worker error files live only as long as the launch: left to torch, every run would leave
     # a torchelastic_* directory in the user's temporary directory.
     with tempfile.TemporaryDirectory(prefix="portable_fsdp-launch-") as agent_files:

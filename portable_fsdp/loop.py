@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 from portable_fsdp import async_save, checkpointing, faults, hardware
@@ -170,24 +171,49 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
 
 
 def _resume(backend, state, path: pathlib.Path, config, backend_name: str):
+    """Every rank checks every file's size, then checksums its share of the bytes in a thread while the checkpoint
+    loads (the load only fills memory, and hashing releases the interpreter's lock): training starts only once
+    every rank's share has matched."""
     where = backend.placement(state)
-    try:  # every rank checks every file's size and checksums its own share of the bytes
-        manifest, problem = checkpointing.verify(path, where.rank, where.processes), None
+    try:
+        manifest, problem = checkpointing.verify_sizes(path), None
     except UserError as err:
         manifest, problem = None, err
-    if where.processes > 1:  # a corrupt file is seen by the one rank that hashed it: all stop together
+    _stop_together(backend, state, config, problem, path)  # before the load's collectives
+    checkpointing.check_compatible(manifest, config, backend_name)
+    dtype = manifest.get("weights_dtype", "float32")
+    if dtype != "float32" and where.rank == 0:
+        print(f"warning: {path.name} holds its weights in {dtype} (train.save_dtype): they are cast back to the "
+              "training dtype, so this resume is not bit-exact", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-verify") as pool:
+        checking = pool.submit(checkpointing.verify_checksums, path, manifest, where.rank, where.processes, stop)
+        try:
+            state = backend.load_checkpoint(state, path, manifest)
+        except BaseException as err:  # dcp's CheckpointException is not an Exception
+            stop.set()
+            if isinstance(err, (KeyboardInterrupt, SystemExit, Interrupted)):
+                raise
+            # bytes that do not parse: a corrupt file is named, whichever rank's share it is in
+            found = checking.exception()
+            if found is None:
+                checkpointing.verify_checksums(path, manifest)
+                raise
+            raise found from None
+        problem = checking.exception()
+    _stop_together(backend, state, config, problem, path)
+    return state
+
+
+def _stop_together(backend, state, config, problem: UserError | None, path: pathlib.Path) -> None:
+    """A file found corrupt by one rank stops every rank, with its line on the rank that found it."""
+    if backend.placement(state).processes > 1:
         backend.barrier(state, timeout_s=_io_timeout(backend, state, config.train))
         if backend.any_rank(state, problem is not None) and problem is None:
             problem = UserError("train.resume", f"another rank found a file of {path} that does not match its "
                                 f"checksum in {checkpointing.MANIFEST} (its line names it); resume from another checkpoint")
     if problem:
         raise problem
-    checkpointing.check_compatible(manifest, config, backend_name)
-    dtype = manifest.get("weights_dtype", "float32")
-    if dtype != "float32" and where.rank == 0:
-        print(f"warning: {path.name} holds its weights in {dtype} (train.save_dtype): they are cast back to the "
-              "training dtype, so this resume is not bit-exact", file=sys.stderr, flush=True)
-    return backend.load_checkpoint(state, path, manifest)
 
 
 def _io_timeout(backend, state, train) -> float:

@@ -113,6 +113,36 @@ def test_a_corrupt_checkpoint_is_refused_on_resume(tmp_path, raised):
     assert "does not match its checksum" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def sharded_at_5(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharded") / "w"
+    proc = cli(BASE + ["--workdir", str(workdir), "--config.plan.state_dict_type=SHARDED_STATE_DICT",
+                       "--config.train.stop_at_step=5"], cwd=workdir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+@pytest.mark.parametrize("damage", ["a tensor's bytes", "a record's header"])
+def test_a_corrupt_sharded_checkpoint_is_refused_as_it_loads(tmp_path, sharded_at_5, damage):
+    """The checksums are verified while the checkpoint loads: damage the load reads past (a tensor's bytes) is
+    found by the rank that hashes it; damage the load trips on (rank 1's first record) is named all the same."""
+    workdir = tmp_path / "w"
+    shutil.copytree(sharded_at_5, workdir)
+    shard = checkpointing.latest(workdir) / "sharded" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "a tensor's bytes":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data[30:2000] = bytes(1970)  # the first record's pickle: its tensor no longer parses
+    shard.write_bytes(bytes(data))
+    proc = cli(BASE + ["--workdir", str(workdir), "--config.plan.state_dict_type=SHARDED_STATE_DICT",
+                       "--config.train.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Terminating process" not in proc.stderr
+    assert "__1_0.distcp does not match its checksum" in proc.stderr
+    assert max(losses(workdir)) == 5  # not a step trained
+
+
 def test_resume_into_another_model_shape_is_refused(tmp_path, raised):
     copy_of(raised, tmp_path)
     proc = cli(BASE + ["--workdir", str(tmp_path), "--config.train.resume=true", "--config.model.hidden_size=128"],

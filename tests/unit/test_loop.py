@@ -2,12 +2,16 @@
 import dataclasses
 import json
 import pathlib
+import threading
 import time
+
+import pytest
 
 from portable_fsdp import checkpointing, loop
 from portable_fsdp.config import apply_override, load_recipe
 from portable_fsdp.backend import MEMORY_KEYS, ModelInfo
 from portable_fsdp.validate import resolve_plan
+from tests.unit._helpers import user_error
 
 
 @dataclasses.dataclass
@@ -162,3 +166,71 @@ def test_the_time_logging_takes_is_measured_against_the_step_time(tmp_path):
     assert "% of step time" in result["logging overhead"]
     run(tmp_path / "rare", SlowLoggingBackend([1.0]), steps=10, eval_every=0, log_every=100)
     assert end_record(tmp_path / "rare")["bookkeeping_fraction"] < 0.2  # one record, at the last step
+
+
+class LoadingBackend(ScriptedBackend):
+    """A resume's load that can fail: `load_error` is raised after the checkpoint's weights.json is read."""
+
+    def __init__(self, load_error=None, rank=0, world_size=1):
+        super().__init__([1.0] * 5)
+        self.load_error, self.rank, self.world_size = load_error, rank, world_size
+        self.loading = threading.Event()
+
+    def placement(self, state):
+        return loop.Placement(rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size)
+
+    def load_checkpoint(self, state, directory, manifest):
+        self.loading.set()
+        loaded = super().load_checkpoint(state, directory, manifest)
+        if self.load_error:
+            raise self.load_error
+        return loaded
+
+
+def stopped_at_4(tmp_path):
+    run(tmp_path, ScriptedBackend([1.0] * 5), steps=10, eval_every=5, stop_at_step=4)
+    return checkpointing.latest(tmp_path) / "weights.json"
+
+
+def train_steps(tmp_path):
+    return [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_the_checksums_are_verified_while_the_checkpoint_loads(tmp_path, monkeypatch):
+    stopped_at_4(tmp_path)
+    backend, verify = LoadingBackend(), checkpointing.verify_checksums
+
+    def verify_once_loading(*args):  # a verification made before the load would wait here in vain
+        assert backend.loading.wait(timeout=30), "the checksums were verified before the load began"
+        return verify(*args)
+
+    monkeypatch.setattr(checkpointing, "verify_checksums", verify_once_loading)
+    run(tmp_path, backend, steps=10, eval_every=5, resume=True)
+    assert backend.loaded == ["step_00000004"] and train_steps(tmp_path) == list(range(1, 11))
+
+
+def test_a_mismatch_found_while_loading_stops_the_resume_before_any_step(tmp_path):
+    weights = stopped_at_4(tmp_path)
+    weights.write_text(weights.read_text().replace("4", "3"))  # same size, loads fine: only the checksum tells
+    backend = LoadingBackend()
+    with user_error("train.resume", "weights.json does not match its checksum"):
+        run(tmp_path, backend, steps=10, eval_every=5, resume=True)
+    assert backend.loaded == ["step_00000004"] and train_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_a_load_failing_on_bytes_another_rank_verifies_names_the_corrupt_file(tmp_path, monkeypatch):
+    """The damaged file is in the other rank's share: the rank whose load failed checks every byte itself."""
+    weights = stopped_at_4(tmp_path)
+    weights.write_text(weights.read_text().replace("{", "x"))
+    share = checkpointing.verify_share
+    monkeypatch.setattr(checkpointing, "verify_share",
+                        lambda manifest, rank, world_size: share(manifest, rank, world_size) if world_size == 1 else [])
+    backend = LoadingBackend(rank=1, world_size=2)
+    with user_error("train.resume", "weights.json does not match its checksum"):
+        run(tmp_path, backend, steps=10, eval_every=5, resume=True)
+
+
+def test_a_load_error_of_an_intact_checkpoint_is_raised_as_it_is(tmp_path):
+    stopped_at_4(tmp_path)
+    with pytest.raises(MemoryError, match="no room for the optimizer state"):
+        run(tmp_path, LoadingBackend(MemoryError("no room for the optimizer state")), steps=10, eval_every=5, resume=True)
