@@ -10,6 +10,8 @@ the first background save and lives until `close` (the backend's finalize):
 - Ctrl-C reaches every process of the terminal's group: the writer ignores SIGINT (blocked while it is spawned, so
   not even its start-up is interrupted) and the training process decides — it waits for the save in flight, then
   closes the writer;
+- it runs at a lower CPU priority than training (nice +10): where every core is busy, the steps come first and
+  the write takes the time they leave;
 - it dies with its rank (PR_SET_PDEATHSIG on Linux; elsewhere when the request pipe closes) and prints nothing:
   its standard output, where gloo's banner goes, is /dev/null; errors come back to the rank as exceptions.
 """
@@ -146,6 +148,7 @@ def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C pending since the spawn is dropped
     if not die_with_parent(parent):  # the rank is gone already
         return
+    os.nice(10)
     with open(os.devnull, "w") as devnull:
         os.dup2(devnull.fileno(), 1)
     import torch.distributed.checkpoint as dcp
