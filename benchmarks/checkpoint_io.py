@@ -40,7 +40,7 @@ QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers":
                "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}
 LAYOUTS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 BLOCK = 64 * 2**20
-STEPS = 4  # training steps timed with a save after the first (train.async_save against a save in the foreground)
+STEPS = 6  # training steps timed with a save after the first: the 5 after it give a background write time to end
 ROUNDS = 5
 DISK_ROUNDS = 3  # save, resume and the raw write and read, each layout
 
