@@ -154,7 +154,8 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     background (train.async_save), against the same steps without a save: after a first background save (a run's
     first allocates its staging buffers and starts the writer processes), ROUNDS rounds of none, sync, async, and a
     last none; each save's run is compared with the mean of the runs without a save around it (medians over
-    rounds)."""
+    rounds). Also timed: the step after the save against the median step of those runs (a background save copies
+    the state to host memory during that step), and the wait for the commit once the steps are done."""
     import copy
 
     from portable_fsdp import async_save, loop
@@ -170,18 +171,22 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
         mode_config.train.async_save = mode == "async"
         state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, config=mode_config, plan=sharded_plan))
         backend.barrier(state)
-        began, in_save = time.perf_counter(), 0.0
+        began, in_save, steps = time.perf_counter(), 0.0, []
         for i in range(spec["steps"]):
+            stepped = time.perf_counter()
             state, _ = backend.train_step(state, batches.micro_batches(index, where.dp_rank, where.dp_size))
+            steps.append(time.perf_counter() - stepped)
             index += 1
             if i == 0 and mode != "none":
                 called = time.perf_counter()
                 loop.save(backend, state, pathlib.Path(spec["workdir"]) / mode, info, keep_last_n=1,
                           is_main=where.rank == 0)
                 in_save = time.perf_counter() - called
+        waited = time.perf_counter()
         async_save.finish()  # committed before the clock stops
         backend.barrier(state)
-        return {"total_s": time.perf_counter() - began, "save_call_s": in_save}
+        return {"total_s": time.perf_counter() - began, "save_call_s": in_save, "step_s": steps,
+                "commit_wait_s": time.perf_counter() - waited}
 
     runs: dict = {"sync": [], "async": []}
     first_async = timed("async")  # untimed: allocates the staging buffers that the next background saves refill
@@ -189,14 +194,18 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     for _ in range(spec["rounds"]):
         sync, background, after = timed("sync"), timed("async"), timed("none")
         baseline = (before["total_s"] + after["total_s"]) / 2
+        typical_step = statistics.median(before["step_s"] + after["step_s"])
         for mode, run in (("sync", sync), ("async", background)):
-            runs[mode].append({**run, "lost_s": run["total_s"] - baseline, "baseline_s": baseline})
+            runs[mode].append({**run, "lost_s": run["total_s"] - baseline, "baseline_s": baseline,
+                               "typical_step_s": typical_step, "next_step_extra_s": run["step_s"][1] - typical_step})
         before = after
     median = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     return {"steps": spec["steps"], "rounds": spec["rounds"], "first_async": first_async,
             "baseline_s": statistics.median(r["baseline_s"] for r in runs["sync"]),
-            **{mode: {"total_s": median(mode, "total_s"), "save_call_s": median(mode, "save_call_s"),
-                      "lost_s": median(mode, "lost_s"), "runs": runs[mode]} for mode in runs}}
+            "typical_step_s": statistics.median(r["typical_step_s"] for r in runs["sync"]),
+            **{mode: {key: median(mode, key) for key in ("total_s", "save_call_s", "next_step_extra_s",
+                                                          "commit_wait_s", "lost_s")} | {"runs": runs[mode]}
+               for mode in runs}}
 
 
 def _run(nproc: int, spec: dict) -> dict:
@@ -209,9 +218,10 @@ def _run(nproc: int, spec: dict) -> dict:
 
 
 def _lost_table(lost: dict) -> str:
-    return table(["save", "steps + save s", "in the save call s", "step time lost s", "each round's s",
-                  "lost / foreground's"],
-                 [[mode, f"{lost[mode]['total_s']:.1f}", f"{lost[mode]['save_call_s']:.1f}", f"{lost[mode]['lost_s']:.1f}",
+    return table(["save", "steps + save s", "in the save call s", "the next step's extra s", "commit wait s",
+                  "step time lost s", "each round's s", "lost / foreground's"],
+                 [[mode, f"{lost[mode]['total_s']:.1f}", f"{lost[mode]['save_call_s']:.1f}",
+                   f"{lost[mode]['next_step_extra_s']:.1f}", f"{lost[mode]['commit_wait_s']:.1f}", f"{lost[mode]['lost_s']:.1f}",
                    " ".join(f"{r['lost_s']:.1f}" for r in lost[mode]["runs"]),
                    f"{lost[mode]['lost_s'] / lost['sync']['lost_s']:.2f}"] for mode in ("sync", "async")])
 
@@ -251,7 +261,8 @@ def main() -> None:
     for lost, where in ((results["step_time_lost"], f"{args.nproc} ranks, every core busy"),
                         (results["core_free"]["step_time_lost"], "1 rank of 1 intra-op thread, a core free for the save")):
         print(f"\n{where}: {lost['steps']} training steps with a SHARDED save after the first, against the same steps "
-              f"without a save ({lost['baseline_s']:.1f} s); medians of {lost['rounds']} rounds")
+              f"without a save ({lost['baseline_s']:.1f} s, a step {lost['typical_step_s']:.1f} s); medians of "
+              f"{lost['rounds']} rounds")
         print(_lost_table(lost))
     if not args.quick:
         write_json(ROOT / "benchmarks" / "results" / "checkpoint_io.json",

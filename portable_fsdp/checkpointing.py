@@ -286,7 +286,8 @@ def read_manifest(path: pathlib.Path) -> dict:
 
 
 def verify(path: pathlib.Path, rank: int = 0, world_size: int = 1) -> dict:
-    """Every file the manifest lists is there with its size, and this rank's share of the bytes (`verify_share`; all of them with one process) matches its checksums. Returns the manifest."""
+    """Every file the manifest lists is there with its size, and this rank's share of the bytes (`verify_share`;
+    all of them with one process) matches its checksums. Returns the manifest."""
     manifest = verify_sizes(path)
     verify_checksums(path, manifest, rank, world_size)
     return manifest
