@@ -221,7 +221,8 @@ def _lost_table(lost: dict) -> str:
     return table(["save", "steps + save s", "in the save call s", "the next step's extra s", "commit wait s",
                   "step time lost s", "each round's s", "lost / foreground's"],
                  [[mode, f"{lost[mode]['total_s']:.1f}", f"{lost[mode]['save_call_s']:.1f}",
-                   f"{lost[mode]['next_step_extra_s']:.1f}", f"{lost[mode]['commit_wait_s']:.1f}", f"{lost[mode]['lost_s']:.1f}",
+                   f"{lost[mode]['next_step_extra_s']:.1f}", f"{lost[mode]['commit_wait_s']:.1f}",
+                   f"{lost[mode]['lost_s']:.1f}",
                    " ".join(f"{r['lost_s']:.1f}" for r in lost[mode]["runs"]),
                    f"{lost[mode]['lost_s'] / lost['sync']['lost_s']:.2f}"] for mode in ("sync", "async")])
 

@@ -143,8 +143,8 @@ def wait_bound_s(n_params: int, floor_s: float) -> float:
 
 
 def write_report(staging: pathlib.Path, rank: int, files: dict) -> None:
-    """Every rank, after writing: {path: its checksums.Checksum entry, or None (checksummed here)} of the files it wrote,
-    as `.reports/rank_XXXXX.json` in the staging directory (for rank 0's commit)."""
+    """Every rank, after writing: {path: its checksums.Checksum entry, or None (checksummed here)} of the files it
+    wrote, as `.reports/rank_XXXXX.json` in the staging directory (for rank 0's commit)."""
     staging = pathlib.Path(staging)
     listing = {str(pathlib.Path(p).relative_to(staging)): (d or digest(p)) for p, d in files.items()}
     reports = staging / REPORTS
