@@ -24,6 +24,7 @@ from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradient
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import checkpoint, distributed
 from portable_fsdp.backends.torch import float8
+from portable_fsdp.backends.torch import host_allocator
 from portable_fsdp.backends.torch import save_process
 from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
@@ -80,6 +81,8 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
+    if runtime.device.type == "cpu" or plan.cpu_offload:  # a step that computes on host memory
+        host_allocator.keep_freed_blocks()
     if plan.float8:  # before the model is built: torchao missing, or a GPU without float8, is one line
         float8.check_supported(runtime.device)
     info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
