@@ -96,7 +96,7 @@ def digest(path: pathlib.Path) -> dict:
 
 
 class HashingWriter:
-    """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`): the digest
+    """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`, dcp's writer): the digest
     of what a rank writes without reading it back. `digest` (its manifest entry) is set once it is closed
     (fsynced)."""
 
@@ -111,6 +111,12 @@ class HashingWriter:
 
     def flush(self) -> None:
         self._file.flush()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
     def close(self) -> None:
         if not self._file.closed:

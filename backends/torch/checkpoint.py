@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import export
-from portable_fsdp.backends.torch import distributed, save_process
+from portable_fsdp.backends.torch import distributed, save_process, sharded_writer
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
 from portable_fsdp.backends.torch.model import _fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
@@ -95,8 +95,7 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
 
     if not state.ctx.config.train.async_save:
         # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
-        dcp.save(bundle, checkpoint_id=str(sharded), process_group=distributed.slow_group(_io_timeout(state)))
-        return {**written, **{p: None for p in save_process.written_files(sharded, rank)}}
+        return {**written, **sharded_writer.save(bundle, sharded, rank, distributed.slow_group(_io_timeout(state)))}
     # the copy into host memory overlaps the next step's forward and backward: only its update must wait (`staged`)
     staging = _staging_thread().submit(_stager(state.ctx.runtime.device.type).stage, bundle)
     _staging.append(staging)

@@ -24,19 +24,12 @@ import pathlib
 import signal
 import socket
 import time
-import warnings
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from portable_fsdp import checkpointing
 from portable_fsdp.interrupts import die_with_parent
-
-# dcp's file writer itself calls the deprecated `Tensor.storage()` (torch 2.9): a warning per rank and save that the
-# user can do nothing about (in this process's synchronous saves and in the writer's).
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
-                        module="torch.distributed.checkpoint.filesystem")
-
 
 class WriterFailed(RuntimeError):
     """The writer process died or raised; the message names the rank."""
@@ -128,13 +121,6 @@ def close() -> None:
         writer.close()
 
 
-def written_files(directory, rank: int) -> list:
-    """The files torch.distributed.checkpoint's file writer leaves for `rank` in `directory` (rank 0: and the
-    metadata)."""
-    directory = pathlib.Path(directory)
-    return sorted(directory.glob(f"__{rank}_*.distcp")) + sorted(directory.glob(".metadata") if rank == 0 else [])
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("", 0))
@@ -151,7 +137,7 @@ def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s
     os.nice(10)
     with open(os.devnull, "w") as devnull:
         os.dup2(devnull.fileno(), 1)
-    import torch.distributed.checkpoint as dcp
+    from portable_fsdp.backends.torch import sharded_writer
 
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -171,8 +157,8 @@ def _serve(requests, rank: int, world_size: int, host: str, port: int, timeout_s
                 return
             staged, checkpoint_id = request
             try:
-                dcp.save(staged, checkpoint_id=checkpoint_id)
-                reply = True, {str(path): checkpointing.digest(path) for path in written_files(checkpoint_id, rank)}
+                reply = True, {str(path): entry or checkpointing.digest(path)
+                               for path, entry in sharded_writer.save(staged, checkpoint_id, rank).items()}
             except BaseException as err:  # dcp's CheckpointException is one
                 reply = False, _one_line(err)
             del staged, request

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from portable_fsdp import checkpointing
-from portable_fsdp.backends.torch import save_process
+from portable_fsdp.backends.torch import save_process, sharded_writer
 from portable_fsdp.backends.torch.checkpoint import _stager
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     staged = _stager("cpu").stage(state(1.0))
     assert staged["weight"].to_local().is_shared()  # handed to the writer as file descriptors, not bytes
     files = write(state(1.0), str(root / "one")).result()
-    assert set(files) == set(save_process.written_files(root / "one", rank)) and files  # its shards (rank 0: metadata)
+    assert set(files) == set(sharded_writer.written_files(root / "one", rank)) and files  # its shards (rank 0: metadata)
     assert all(entry == checkpointing.digest(path) for path, entry in files.items())  # fsynced and checksummed there
     writer = save_process._writer.process
     assert writer.pid != os.getpid() and writer.is_alive()

@@ -1,10 +1,17 @@
 """The SHARDED loader's file reader (backends/torch/checkpoint_reader.py) restores what torch.distributed.checkpoint
 saved exactly as dcp's own reader does: every dtype, 0-d and empty tensors, a saved tensor that is not contiguous,
-a destination that is not, and the non-tensor entries dcp stores as bytes. In one process (dcp without a group)."""
+a destination that is not, and the non-tensor entries dcp stores as bytes — from files dcp's own writer wrote and
+from ours (sharded_writer: checksummed as written, no zip CRC-32). In one process (dcp without a group)."""
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from portable_fsdp import checksums
+from portable_fsdp.backends.torch import sharded_writer
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
+
+WRITERS = {"dcp": lambda state, path: dcp.save(state, checkpoint_id=str(path)),
+           "ours": lambda state, path: sharded_writer.save(state, path, rank=0)}
 
 
 def _saved() -> dict:
@@ -18,11 +25,12 @@ def _blank(state: dict) -> dict:
     return {k: torch.zeros_like(v) if torch.is_tensor(v) else {"name": "", "lr": 0.0} for k, v in state.items()}
 
 
-def test_the_reader_restores_what_dcp_saved(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_the_reader_restores_what_dcp_saved(tmp_path, monkeypatch, writer):
     saved = _saved()
     mine, theirs = _blank(saved), _blank(saved)
     mine["into_a_view"] = theirs["into_a_view"] = torch.zeros(48, 64).t()  # a destination that is not contiguous
-    dcp.save({**saved, "into_a_view": saved["weight"]}, checkpoint_id=str(tmp_path))
+    WRITERS[writer]({**saved, "into_a_view": saved["weight"]}, tmp_path)
     handed_on = []  # what the reader leaves to dcp's own: the entries stored as bytes, no tensor
     original = dcp.FileSystemReader.read_data
     monkeypatch.setattr(dcp.FileSystemReader, "read_data",
@@ -38,3 +46,17 @@ def test_the_reader_restores_what_dcp_saved(tmp_path, monkeypatch):
         else:
             assert mine[name] == theirs[name] == value
     assert not mine["into_a_view"].is_contiguous() and torch.equal(mine["into_a_view"], saved["weight"])
+
+
+def test_our_writer_checksums_each_file_as_written(tmp_path, monkeypatch):
+    files = sharded_writer.save(_saved(), tmp_path, rank=0)
+    shards = [path for path in files if path.suffix == ".distcp"]
+    assert shards and sorted(files) == sorted(sharded_writer.written_files(tmp_path, 0))
+    assert all(files[path] == checksums.of_file(path) for path in shards)  # the bytes on disk, not read back
+    assert files[tmp_path / ".metadata"] is None  # written under a temporary name: checksummed once in place
+    assert torch.serialization.get_crc32_options()  # zip's CRC-32 is skipped only while it writes
+
+    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        sharded_writer.save(_saved(), tmp_path / "failed", rank=0)
+    assert torch.serialization.get_crc32_options()
