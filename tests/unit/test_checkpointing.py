@@ -257,6 +257,19 @@ def test_each_file_is_verified_by_one_rank_and_the_bytes_are_shared(world_size):
     assert max(loads) - min(loads) <= max(sizes.values())  # within one file of each other
 
 
+def test_a_sharded_checkpoint_is_verified_rank_by_rank_in_one_pass_each():
+    """At the world size it was saved at, rank r checks about its own `.distcp` file (the one its load reads),
+    `__10_0` after `__9_0`; each share is one run of the files in order."""
+    sizes = {f"sharded/__{r}_0.distcp": 1_000_000 for r in range(12)} | {"sharded/.metadata": 3_000,
+                                                                        "config.json": 700}
+    manifest = manifest_of(sizes)
+    shares = [ckpt.verify_share(manifest, rank, 12) for rank in range(12)]
+    for rank, share in enumerate(shares):
+        assert f"sharded/__{rank}_0.distcp" in [p.name for p in share]
+    in_order = [p.name for share in shares for p in share]
+    assert in_order == ["config.json", "sharded/.metadata", *(f"sharded/__{r}_0.distcp" for r in range(12))]
+
+
 def test_a_corrupt_file_is_found_by_the_rank_whose_share_it_is(tmp_path):
     final = save(tmp_path, 4, {"a.bin": b"a" * 100, "b.bin": b"b" * 90, "c.bin": b"c" * 10})
     manifest = ckpt.read_manifest(final)

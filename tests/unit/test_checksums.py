@@ -113,8 +113,8 @@ def test_a_manifest_of_sha256_digests_still_verifies(small_blocks, tmp_path, wri
     manifest = ckpt.read_manifest(final)
     if written_as == "sha256 per file":
         manifest["files"]["optimizer.pt"] = {"bytes": 3000, "sha256": sha(bytes(data))}
-        assert ckpt.verify_share(manifest, 0, 2) == [checksums.Piece("optimizer.pt", 0, 3000, "sha256", sha(bytes(data)))]
-        assert ckpt.verify_share(manifest, 1, 2) == []
+        shares = sorted((ckpt.verify_share(manifest, rank, 2) for rank in range(2)), key=len)
+        assert shares == [[], [checksums.Piece("optimizer.pt", 0, 3000, "sha256", sha(bytes(data)))]]  # one piece
     else:
         manifest["files"]["optimizer.pt"] = {"bytes": 3000, "block_bytes": 1000,
                                              "block_sha256": [sha(bytes(data[i:i + 1000])) for i in (0, 1000, 2000)]}
