@@ -96,9 +96,9 @@ def digest(path: pathlib.Path) -> dict:
 
 
 class HashingWriter:
-    """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`, dcp's writer): the digest
-    of what a rank writes without reading it back. `digest` (its manifest entry) is set once it is closed
-    (fsynced)."""
+    """A file opened for writing that checksums the bytes on their way (`torch.save(obj, writer)`, or dcp's file
+    writer's stream): the digest of what a rank writes without reading it back. `digest` (its manifest entry) is
+    set once it is closed (fsynced)."""
 
     def __init__(self, path: pathlib.Path):
         self.path, self.digest = pathlib.Path(path), None
@@ -340,9 +340,10 @@ def _mismatch(file: pathlib.Path) -> UserError:
 def verify_share(manifest: dict, rank: int, world_size: int) -> list:
     """The pieces (checksums.Piece: whole files, blocks of large ones) `rank` checksums: every piece in file order
     (numbers in names in numeric order), cut into world_size runs of about equal bytes — a piece goes to the run
-    its middle byte falls in — so every byte is checked once, the ranks' shares differ by at most a block or a
-    file, and each rank reads its share in one pass. A SHARDED checkpoint at the world size it was saved at puts
-    rank r's own file about in run r: the file its load reads, from the page cache once the check has read it."""
+    its middle byte falls in — so every byte is checked once, each rank's share is 1/world_size of the bytes
+    give or take a block or a file, and each rank reads it in one pass. A SHARDED checkpoint at the world size
+    it was saved at puts rank r's own file about in run r: the file its load reads, from the page cache once the
+    check has read it."""
     every = sorted((p for name, entry in manifest["files"].items() for p in checksums.pieces(name, entry)),
                    key=lambda p: (_in_numeric_order(p.name), p.offset))
     total, before, share = sum(p.length for p in every), 0, []

@@ -54,7 +54,7 @@ def main() -> None:
     staged = _stager("cpu").stage(state(1.0))
     assert staged["weight"].to_local().is_shared()  # handed to the writer as file descriptors, not bytes
     files = write(state(1.0), str(root / "one")).result()
-    assert set(files) == set(sharded_writer.written_files(root / "one", rank)) and files  # its shards (rank 0: metadata)
+    assert set(files) == set(sharded_writer.written_files(root / "one", rank)) and files  # shards (rank 0: metadata)
     assert all(entry == checkpointing.digest(path) for path, entry in files.items())  # fsynced and checksummed there
     writer = save_process._writer.process
     assert writer.pid != os.getpid() and writer.is_alive()
