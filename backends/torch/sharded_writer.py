@@ -23,6 +23,7 @@ from portable_fsdp import checkpointing
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                         module="torch.distributed.checkpoint.filesystem")
 
+
 def save(state_dict: dict, directory, rank: int, process_group=None) -> dict:
     """dcp.save of `state_dict` under `directory`: {path: manifest entry} of the files this rank wrote; rank 0's
     `.metadata` (small, written through a temporary name) maps to None: checksummed once it is in place."""
