@@ -4,23 +4,28 @@ dcp's FileSystemReader `torch.load`s every saved tensor from its slice of a `.di
 filled from the file, then copied into the tensor it restores. A SHARDED resume at the same world size asks for
 whole saved tensors, so `Reader` reads their bytes from the file into the destination itself (one copy, no
 allocation); a part of a saved tensor (another world size), or one whose destination is on a GPU, is read into a
-host buffer and copied. What a saved tensor is (dtype, shape, strides) still comes from `torch.load`, without its
-data (`torch.serialization.skip_data`); where its bytes are, from the zip archive `torch.save` wrote (`zipfile`).
-Anything else (bytes items, transformed or unexpected records) goes through dcp's own reader.
+host buffer and copied. What a saved tensor is (dtype, shape, strides) comes from the record's pickle, read by the
+C unpickler allowed only the names a plain tensor's record uses (`torch.load`'s own restricted unpickler is Python:
+a resume spent most of its parsing there); where its bytes are, from the zip archive `torch.save` wrote
+(`zipfile`'s directory; the records are read by their local headers, since their CRC-32 may be left out). Anything
+else (bytes items, transformed or unexpected records) goes through dcp's own reader.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
-import re
+import pickle
+import typing
 import zipfile
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType
 
-_DATA_RECORD = re.compile(r"(^|/)data/\d+$")
+# the storage classes a record's pickle names (torch.FloatStorage, ...) and the dtypes they stand for
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
 class _Slice(io.RawIOBase):
@@ -64,19 +69,73 @@ class _Slice(io.RawIOBase):
         return n
 
 
-def _data_record(blob: _Slice) -> tuple | None:
-    """(offset, bytes) of the single storage inside one `torch.save` archive; None if the archive holds another
-    number of storages or a compressed one."""
-    with zipfile.ZipFile(blob) as archive:
-        records = [info for info in archive.infolist() if _DATA_RECORD.search(info.filename)]
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+class _Layout(typing.NamedTuple):
+    dtype: torch.dtype
+    key: str  # the storage's record: data/<key>
+    storage_offset: int
+    size: tuple
+    stride: tuple
+
+
+def _layout(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    return _Layout(*storage, storage_offset, tuple(size), tuple(stride))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """A plain tensor's `data.pkl` as its _Layout. It resolves only the names such a record uses, so any other
+    record (a tensor subclass, a different object) fails to parse rather than building anything."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _layout
+        if (module, name) == ("collections", "OrderedDict"):  # the (empty) backward hooks
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, _numel = pid
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        return dtype, str(key)
+
+
+def _stored_at(blob: _Slice, info: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed record's bytes start, from its local header (its name's and extra field's lengths
+    at bytes 26-29); None if it is compressed or the header is not one."""
+    if info.compress_type != zipfile.ZIP_STORED:
         return None
-    blob.seek(records[0].header_offset)
-    header = blob.read(30)  # the local file header: its name's and extra field's lengths at bytes 26-29
+    blob.seek(info.header_offset)
+    header = blob.read(30)
     if header[:4] != b"PK\x03\x04":
         return None
-    start = records[0].header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
-    return start, records[0].file_size
+    return info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+
+
+def _parse(blob: _Slice) -> tuple | None:
+    """(layout, offset of its storage's bytes, their length) of the one tensor a `torch.save` archive holds; None
+    if it holds anything else."""
+    try:
+        with zipfile.ZipFile(blob) as archive:
+            records = {info.filename: info for info in archive.infolist()}
+    except zipfile.BadZipFile:
+        return None
+    pickled = [name for name in records if name.endswith("/data.pkl")]
+    if len(pickled) != 1 or sum("/data/" in name for name in records) != 1:
+        return None
+    prefix = pickled[0][: -len("data.pkl")]
+    begin = _stored_at(blob, records[pickled[0]])
+    if begin is None:
+        return None
+    blob.seek(begin)
+    try:
+        layout = _LayoutUnpickler(io.BytesIO(blob.read(records[pickled[0]].file_size))).load()
+    except Exception:  # noqa: BLE001 - whatever the record is, dcp's own reader parses (or rejects) it
+        return None
+    data = records.get(f"{prefix}data/{layout.key}") if isinstance(layout, _Layout) else None
+    start = _stored_at(blob, data) if data is not None else None
+    return None if start is None else (layout, start, data.file_size)
 
 
 def _read_exactly(file, offset: int, tensor: torch.Tensor) -> None:
@@ -110,19 +169,20 @@ class Reader(dcp.FileSystemReader):
         """The part of a saved tensor that `item` asks for, read into its destination; False (nothing read) if
         the tensor's record is not a plain one."""
         info = self.storage_data[item.storage_index]
-        blob = _Slice(file, info.offset, info.length)
-        with torch.serialization.skip_data():  # the tensor's dtype, shape and strides; its bytes are not read
-            saved = torch.load(blob, map_location="cpu", weights_only=True)
-        record = _data_record(blob)
-        extent = saved.storage_offset() + sum((n - 1) * step for n, step in zip(saved.size(), saved.stride())) + 1
-        if record is None or extent * saved.element_size() > record[1]:
+        parsed = _parse(_Slice(file, info.offset, info.length))
+        if parsed is None:
             return False
-        start, nbytes = info.offset + record[0], record[1]
+        layout, start, nbytes = parsed
+        saved = torch.empty_strided(layout.size, layout.stride, dtype=layout.dtype, device="meta")  # shape only
+        extent = layout.storage_offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride)) + 1
+        if extent * saved.element_size() > nbytes:
+            return False
+        start += info.offset
         target = planner.resolve_tensor(item).detach()
         if target.size() != torch.Size(item.lengths):
             raise RuntimeError(f"{item.storage_index}: {tuple(item.lengths)} in the checkpoint, "
                                f"{tuple(target.size())} in the state")
-        if (target.size() == saved.size() and saved.storage_offset() == 0 and saved.is_contiguous()
+        if (target.size() == saved.size() and layout.storage_offset == 0 and saved.is_contiguous()
                 and saved.nbytes == nbytes and target.is_contiguous() and target.dtype == saved.dtype
                 and target.device.type == "cpu"):
             _read_exactly(file, start, target)  # the whole saved tensor: its bytes straight into place
@@ -130,8 +190,8 @@ class Reader(dcp.FileSystemReader):
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             _read_exactly(file, start, buffer)
-            stored = torch.empty(0, dtype=saved.dtype).set_(buffer.untyped_storage(), saved.storage_offset(),
-                                                             saved.size(), saved.stride())
+            stored = torch.empty(0, dtype=layout.dtype).set_(buffer.untyped_storage(), layout.storage_offset,
+                                                              layout.size, layout.stride)
             for dim, (begin, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 stored = stored.narrow(dim, begin, length)
             target.copy_(stored)

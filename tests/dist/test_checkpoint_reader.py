@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 from portable_fsdp import checksums
 from portable_fsdp.backends.torch import sharded_writer
-from portable_fsdp.backends.torch.checkpoint_reader import Reader
+from portable_fsdp.backends.torch.checkpoint_reader import Reader, _parse, _Slice
 
 WRITERS = {"dcp": lambda state, path: dcp.save(state, checkpoint_id=str(path)),
            "ours": lambda state, path: sharded_writer.save(state, path, rank=0)}
@@ -60,3 +60,22 @@ def test_our_writer_checksums_each_file_as_written(tmp_path, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         sharded_writer.save(_saved(), tmp_path / "failed", rank=0)
     assert torch.serialization.get_crc32_options()
+
+
+def test_only_a_plain_tensors_record_is_read_by_the_reader_itself(tmp_path):
+    """The record's pickle is parsed with only a plain tensor's names allowed: anything else (a Parameter, a dict,
+    bytes that are no archive) is left to dcp's own reader, which parses or rejects it."""
+    path = tmp_path / "records"
+    with open(path, "wb") as f:
+        torch.save(torch.arange(12, dtype=torch.float32).reshape(3, 4).t()[1:], f)
+        ends = [f.tell()]
+        for other in (torch.nn.Parameter(torch.randn(2)), {"a": torch.randn(2)}):
+            torch.save(other, f)
+            ends.append(f.tell())
+    with open(path, "rb", buffering=0) as f:
+        layout, start, nbytes = _parse(_Slice(f, 0, ends[0]))
+        assert (layout.dtype, layout.storage_offset, layout.size, layout.stride) == (torch.float32, 1, (3, 3), (1, 4))
+        assert nbytes == 48 and bytes(_Slice(f, start, nbytes).read()) == torch.arange(12.0).numpy().tobytes()
+        assert _parse(_Slice(f, ends[0], ends[1] - ends[0])) is None
+        assert _parse(_Slice(f, ends[1], ends[2] - ends[1])) is None
+        assert _parse(_Slice(f, 1, ends[0] - 1)) is None
