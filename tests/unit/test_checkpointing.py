@@ -301,11 +301,13 @@ def test_the_waits_of_a_70b_save_grow_with_its_bytes():
     assert ckpt.wait_bound_s(1000, floor_s=300) == pytest.approx(300, abs=0.001)  # small models: the floor
 
 
-def test_a_file_written_through_hashing_writer_is_checksummed_on_the_way(tmp_path):
-    pieces = [b"header", bytearray(b"x" * 1000), memoryview(b"tail")]
+@pytest.mark.parametrize("piece", [ckpt.HashingWriter.PIECE, 7])  # 7: each write hashed and written in parts
+def test_a_file_written_through_hashing_writer_is_checksummed_on_the_way(tmp_path, monkeypatch, piece):
+    monkeypatch.setattr(ckpt.HashingWriter, "PIECE", piece)
+    pieces = [b"header", bytearray(b"x" * 1000), memoryview(b"tail"), memoryview(bytes(range(256)) * 4).cast("I")]
     with ckpt.HashingWriter(tmp_path / "optimizer.pt") as f:
         for piece in pieces:
             f.write(piece)
     data = (tmp_path / "optimizer.pt").read_bytes()
-    assert data == b"".join(bytes(p) for p in pieces)
+    assert data == b"".join(p.tobytes() if isinstance(p, memoryview) else bytes(p) for p in pieces)
     assert f.digest == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()} == ckpt.digest(f.path)
