@@ -2,12 +2,10 @@
 layers and with float8 layers, next to Hugging Face Trainer on the same GPU; then context parallelism with
 cp_impl=torch against cp_impl=portable at a long sequence. Made to finish within 8 minutes.
 
-On the GPU machine (nothing is downloaded there; torch and transformers are assumed, and the wheels our config
-and float8 need are installed from benchmarks/gpu_wheels — ml_collections and absl-py are kept there; torchao's
-wheel, 7 MB of compiled code, is fetched into it where there is a network: `pip download --no-deps
-torchao==0.14.1 -d benchmarks/gpu_wheels`):
+On the GPU machine (nothing is downloaded there; torch is assumed, everything else comes from a folder of wheels
+prepared where there is a network — benchmarks/gpu_setup.py):
 
-    pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py torchao && python -m benchmarks.gpu
+    python -m benchmarks.gpu_setup install && python -m portable_fsdp.selftest && python -m benchmarks.gpu
 
 Without a GPU, the same code with a tiny model on `--backend cpu` (layers compiled on CPU; the float8 rows
 report the one-line refusal --backend cpu gives):  python -m benchmarks.gpu --dry-run-cpu
@@ -50,7 +48,7 @@ import time
 from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, machine, run_cli,
                                run_python, table, write_json)
 
-INSTALL = "pip install --no-index --find-links benchmarks/gpu_wheels ml_collections absl-py torchao"
+INSTALL = "python -m benchmarks.gpu_setup install"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
 TRAIN_S, HF_S, CP_RUN_S, ONE_RANK_S = 150, 120, 150, 90  # each sub-run's own limit
 # Our rows: plan settings on top of bf16 compute on one rank.
@@ -153,8 +151,7 @@ def with_mfu(rows: list, size: dict) -> None:
     from portable_fsdp.metrics import flops_per_token
 
     info = describe_model(config_from_flags(model_flags(size)))
-    per_token = flops_per_token(info.n_params, info.n_layers, info.hidden_size, size["seq_len"],
-                                info.n_embedding_params)
+    per_token = flops_per_token(info, size["seq_len"])
     ours = next((r for r in rows if r.get("mfu") and r["setting"] != "HF Trainer"), None)
     for row in rows:
         if ours and row["setting"] == "HF Trainer" and "tokens_per_sec" in row:

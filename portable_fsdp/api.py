@@ -65,11 +65,11 @@ def plan_for(config, world_size: int | None = None, backend: str | None = None) 
     plan = resolve_plan(config, world)
     if backend is not None:
         model = backends.load(backend).describe_model(config)  # the model's family: some rules read it
-        check_backend(config, plan, backend, _device_type(backend), world, model)
+        check_backend(config, plan, backend, device_type(backend), world, model)
     return plan
 
 
-def _device_type(backend: str) -> str:
+def device_type(backend: str) -> str:
     """The device type a backend will run on in this process (xla: the PJRT device; flax: the JAX platform)."""
     if backend == "xla":
         from portable_fsdp.backends.xla.environment import device_type

@@ -17,7 +17,8 @@ The same holds for `load_checkpoint`. `eval_step`, `predict_step`, `count_label_
 `memory_report` leave the state as it was.
 
 Collectives: every function that takes a state may be a collective; every rank calls it, in the same
-order. `placement`, `model_info`, `device_kind` and `finalize` never communicate.
+order. `placement`, `model_info`, `device_kind` and `finalize` never communicate; `time_all_reduce` does (every rank
+calls it, with the same size).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from typing import Protocol, Sequence, TypedDict
 
 # The keys of `Backend.memory_report`, on every backend: each maps to one value per rank (per device under
 # SPMD / JAX), in MiB.
-MEMORY_KEYS = ("mem_mb", "peak_mem_mb", "state_mb", "grad_mb", "base_mem_mb", "shm_mb")
+MEMORY_KEYS = ("mem_mb", "peak_mem_mb", "reserved_mb", "peak_reserved_mb", "state_mb", "grad_mb", "base_mem_mb",
+               "shm_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,21 @@ class ModelInfo:
     num_key_value_heads: int = 0
     num_experts: int = 0
     tp_plan: dict = dataclasses.field(default_factory=dict)
+    # A MoE model's routed experts (MFU counts what a token runs through): the weights of every routed expert of
+    # every layer (shared experts and the router are ordinary weights, not counted here), and how many of them
+    # each token is sent to (top-k).
+    n_routed_expert_params: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def n_active_params(self) -> float:
+        """The weights one token's forward multiplies by: every parameter but the input embedding table (a lookup)
+        and the routed experts a token is not sent to (top-k of the routed experts; all of them when the model
+        does not say how many)."""
+        idle = 0.0
+        if self.n_routed_expert_params and self.num_experts and self.experts_per_token:
+            idle = self.n_routed_expert_params * (1 - min(self.experts_per_token, self.num_experts) / self.num_experts)
+        return self.n_params - self.n_embedding_params - idle
 
 
 class StepMetrics(TypedDict):
@@ -154,6 +171,11 @@ class Backend(Protocol):
         already on the device, until the result is ready, every device this process drives computing its own
         copy at once: the primitive behind the measured peak, which `portable_fsdp.hardware` warms up and
         repeats."""
+
+    def time_all_reduce(self, state: TrainState, size: int) -> float:
+        """Seconds one all-reduce (a sum) of `size` bytes of float32 over every device of the run takes, every
+        device's operand already in place, until every result is ready: the primitive behind the measured
+        collective bandwidth, which `portable_fsdp.hardware` warms up, repeats and turns into bus bandwidth."""
 
     def model_info(self, state: TrainState) -> ModelInfo:
         """The `describe_model` of the model this state trains."""

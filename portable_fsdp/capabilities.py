@@ -239,7 +239,10 @@ RULES = (
     # ---- mixed precision
     Rule("plan.param_dtype", (("plan.param_dtype", Is("float16")),), {
         "xla": Refused("float16 has no SPMD FSDPv2 equivalent: torch_xla's autocast computes in bfloat16; use "
-                       "bfloat16")}),
+                       "bfloat16"),
+        **dict.fromkeys((*TORCH, "xla_v1", "flax"), Refused(
+            "float16 trains only with loss scaling (gradients below float16's range become 0), which this lowering "
+            "does not apply; use bfloat16 (Accelerate: mixed_precision: bf16), which needs none"))}),
     Rule("plan.reduce_dtype", (("plan.reduce_dtype", IsNot("float32")),), {
         "xla": Refused("{value} has no SPMD FSDPv2 equivalent: the XLA compiler places the gradient reductions "
                        "itself; set plan.reduce_dtype=float32, or use FSDP v1 (plan.xla_fsdp_v2=false)"),

@@ -24,7 +24,8 @@ import subprocess
 import sys
 import tempfile
 
-from portable_fsdp import hardware
+from portable_fsdp import hardware, tpu_vm
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, from_dict, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.metrics import flops_per_token
@@ -75,9 +76,9 @@ class Target:
 
 
 def tpu_from_environment() -> str | None:
-    """The --device name of this Cloud TPU VM's chips, from TPU_ACCELERATOR_TYPE (v4-8, v5litepod-16, v5p-8,
-    v6e-8), or None."""
-    kind = os.environ.get("TPU_ACCELERATOR_TYPE", "").lower()
+    """The --device name of this Cloud TPU VM's chips, from its accelerator type (v4-8, v5litepod-16, v5p-8,
+    v6e-8: TPU_ACCELERATOR_TYPE, else the VM's metadata), or None."""
+    kind = tpu_vm.accelerator_type().lower()
     for prefix, name in (("v5litepod", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v6e", "v6e"), ("v4", "v4")):
         if kind.startswith(prefix):
             return name
@@ -243,6 +244,11 @@ class Report:
     @property
     def peak(self) -> int:
         return max(rank["peak"] for rank in self.result["ranks"])
+
+    @property
+    def model(self) -> ModelInfo:
+        """The model the estimate traced, as the backend described it."""
+        return ModelInfo(**self.result["model"])
 
     @property
     def fits(self) -> bool:
@@ -448,15 +454,15 @@ METHOD = {
 
 def step_line(report: Report, mfu: float) -> str:
     config, target = report.config, report.target
-    model = report.result["model"]
     plan = resolve_plan(config, target.nproc)
     tokens = config.train.batch_size * config.data.seq_len
-    flops = flops_per_token(model["n_params"], model["n_layers"], model["hidden_size"], config.data.seq_len,
-                            model["n_embedding_params"]) * tokens
+    flops = flops_per_token(report.model, config.data.seq_len) * tokens
     dtype = plan.mixed_precision.param_dtype
     rate = config.train.peak_flops_per_device or (0 if target.device == "cpu"
                                                   else hardware.datasheet_flops(target.label, dtype))
-    text = f"step: {flops:.3g} FLOPs ({tokens:,} tokens; 6N + attention, portable_fsdp.metrics)"
+    active = "" if report.model.n_active_params + report.model.n_embedding_params == report.model.n_params else \
+        f", N = {report.model.n_active_params:,.0f} active parameters"
+    text = f"step: {flops:.3g} FLOPs ({tokens:,} tokens; 6N + attention, portable_fsdp.metrics{active})"
     if not rate:
         return text + f"; no peak FLOP/s known for {target.label} in {dtype}: set train.peak_flops_per_device"
     seconds = flops / (target.nproc * rate * mfu)
@@ -466,7 +472,7 @@ def step_line(report: Report, mfu: float) -> str:
 def render(report: Report, mfu: float, recipe: str) -> str:
     config, target, result = report.config, report.target, report.result
     plan = resolve_plan(config, target.nproc)
-    model = result["model"]
+    model = report.model
     first = result["ranks"][0]
     split = (f" ({first['tokens_per_rank']} tokens after splitting the sequence)" if plan.mesh.sequence_size > 1
              else "")
@@ -475,7 +481,7 @@ def render(report: Report, mfu: float, recipe: str) -> str:
     else:
         where = f"{target.nproc} x {device_name(target)} ({format_bytes(target.memory)} each)"
     lines = [f"estimate: {recipe}, --backend {target.backend}, {where}",
-             f"model: {model['class']}, {model['n_params']:,} parameters; mesh {mesh_words(plan)}; "
+             f"model: {model.root_class}, {model.n_params:,} parameters; mesh {mesh_words(plan)}; "
              f"micro-batch {first['micro_batch_rows']} x {config.data.seq_len} tokens per rank{split}, "
              f"{config.train.grad_accum_steps} micro-batch(es) per step; compute {plan.mixed_precision.param_dtype}, float32 master "
              "weights",

@@ -70,6 +70,27 @@ DEVICE_MEMORY = {
     "v6e": ("TPU v6 lite", 32 * GiB),
 }
 
+# The link an all-reduce between the devices of one host runs over, in GB/s per direction, from the same
+# datasheets: NVLink's total per GPU is bidirectional (H100 / H200 SXM: 18 links, 900 GB/s; A100 SXM: 600 GB/s;
+# B200: 1.8 TB/s), so a ring all-reduce's bus bandwidth can reach half of it; PCIe cards talk over PCIe (Gen5 x16:
+# 64 GB/s per direction; Gen4 x16: 32 GB/s). TPU v5p: "Bidirectional inter-chip interconnect (ICI) bandwidth per
+# chip: 1200 GBps" (https://cloud.google.com/tpu/docs/v5p), over the six links of its 3-D torus: an all-reduce's
+# share of it depends on the slice's shape, so no floor is drawn from it.
+LINKS = (
+    (r"\bh100\b.*\bpcie\b", "PCIe Gen5 x16", 64.0),
+    (r"\bh100\b.*\bnvl\b", "PCIe Gen5 x16", 64.0),
+    (r"\bh[12]00\b", "NVLink 4 (900 GB/s bidirectional)", 450.0),
+    (r"\bb200\b", "NVLink 5 (1.8 TB/s bidirectional)", 900.0),
+    (r"\ba100\b.*\bpcie\b", "PCIe Gen4 x16", 32.0),
+    (r"\ba100\b", "NVLink 3 (600 GB/s bidirectional)", 300.0),
+    (r"\bl4\b|\ba10g?\b", "PCIe Gen4 x16", 32.0),
+    (r"\btpu v5(?!e| ?lite)|\bv5p\b", "ICI (1200 GB/s bidirectional per chip)", 1200.0),
+)
+# What a machine whose measurements fall below these shares of its datasheet has is not what it says (a throttled,
+# misconfigured or shared device): the self-test fails it. The link floor applies to NVLink alone.
+MATMUL_FLOOR = 0.5
+LINK_FLOOR = 0.25
+
 # plan.param_dtype -> datasheet column
 _COLUMN = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32"}
 
@@ -111,6 +132,33 @@ def measured_flops(time_matmul: Callable[[int, str], float], kind: str, dtype: s
         time_matmul(size, dtype)
     best = min(time_matmul(size, dtype) for _ in range(REPEATS))
     return 2.0 * size**3 / best
+
+
+def link_entry(kind: str) -> tuple | None:
+    """(link, GB/s per direction) of the first LINKS row the device name matches, else None."""
+    name = kind.lower()
+    return next(((label, rate) for pattern, label, rate in LINKS if re.search(pattern, name)), None)
+
+
+# The measured collective: an all-reduce of ALL_REDUCE_BYTES (a GPU's ring reaches its bus bandwidth past a few
+# hundred MiB; gloo on a CPU needs far less to show its rate), warmed up and repeated as the matmul is.
+ALL_REDUCE_BYTES = {"cpu": 16 * 2**20, "accelerator": 256 * 2**20}
+
+
+def bus_bandwidth(size: int, seconds: float, devices: int) -> float:
+    """An all-reduce's bus bandwidth in bytes/s, as nccl-tests reports it: the bytes each device sends and
+    receives over its links, 2 (n - 1) / n of the buffer, per second."""
+    return 2.0 * (devices - 1) / devices * size / seconds if devices > 1 else 0.0
+
+
+def measured_bus_bandwidth(time_all_reduce: Callable[[int], float], kind: str, devices: int) -> float:
+    """The all-reduce bus bandwidth over `devices` devices, measured as described above (0 with one device)."""
+    if devices < 2:
+        return 0.0
+    size = ALL_REDUCE_BYTES["cpu" if is_cpu(kind) else "accelerator"]
+    for _ in range(WARMUP):
+        time_all_reduce(size)
+    return bus_bandwidth(size, min(time_all_reduce(size) for _ in range(REPEATS)), devices)
 
 
 def peak_flops_per_device(configured: float, kind: str, dtype: str,

@@ -81,8 +81,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     progress = Progress(t.steps, start, is_main and t.progress_bar)
-    model_flops = flops_per_token(info.n_params, info.n_layers, info.hidden_size, config.data.seq_len,
-                                  info.n_embedding_params)
+    model_flops = flops_per_token(info, config.data.seq_len)
     peak = hardware.peak_flops_per_device(t.peak_flops_per_device, backend.device_kind(state),
                                           plan.mixed_precision.param_dtype,
                                           lambda size, dtype: backend.time_matmul(state, size, dtype))

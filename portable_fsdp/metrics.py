@@ -7,13 +7,13 @@ import sys
 import time
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden_size: int, seq_len: int,
-                    n_embedding_params: int = 0) -> float:
-    """Training FLOPs per token: 6·N for the matmuls of forward + backward, N without the input embedding
-    table (a lookup, no matmul; with tied embeddings the table is the lm_head's matmul and stays in N), plus
-    12·L·d·T for the attention scores and weighted sum (PaLM's formula, as torchtitan counts it, no causal
-    discount)."""
-    return 6.0 * (n_params - n_embedding_params) + 12.0 * n_layers * hidden_size * seq_len
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of `model` (a `portable_fsdp.backend.ModelInfo`): 6·N for the matmuls of forward
+    + backward, N the weights a token's forward multiplies by (`ModelInfo.n_active_params`: without the input
+    embedding table, a lookup — with tied embeddings the table is the lm_head's matmul and stays in N — and, in a
+    mixture of experts, only the top-k of the routed experts), plus 12·L·d·T for the attention scores and weighted
+    sum (PaLM's formula, as torchtitan counts it, no causal discount). MFU and the estimator both use it."""
+    return 6.0 * model.n_active_params + 12.0 * model.n_layers * model.hidden_size * seq_len
 
 
 class MetricsLog:

@@ -11,7 +11,7 @@ import pathlib
 import sys
 import warnings
 
-from portable_fsdp import accelerate_launch, backends
+from portable_fsdp import accelerate_launch, backends, tpu_vm
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option
@@ -58,22 +58,10 @@ def default_workdir(name: str) -> pathlib.Path:
     return pathlib.Path(f"runs/{name}-{stamp}")
 
 
-def tpu_visible() -> bool:
-    """A Cloud TPU VM, seen without importing torch_xla: PJRT_DEVICE=TPU, or the TPU chips' device files."""
-    import glob
-
-    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or glob.glob("/dev/accel[0-9]*"):
-        return True
-    # Newer TPU VMs (v5e, v5p, v6e) expose their chips through VFIO: Google's PCI vendor id is 0x1ae0.
-    vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
-    return bool(glob.glob("/dev/vfio/[0-9]*")) and any(pathlib.Path(v).read_text().strip() == "0x1ae0"
-                                                       for v in vendors)
-
-
 def resolve_backend(name: str, config=None) -> str:
     """`auto`: xla on a TPU VM or when the config asks for torch_xla (Hugging Face's `xla: true`), else cuda when
     a GPU is visible, else cpu."""
-    if name == "auto" and ((config is not None and config.plan.xla) or tpu_visible()):
+    if name == "auto" and ((config is not None and config.plan.xla) or tpu_vm.tpu_visible()):
         return "xla"
     if name in ("auto", "cuda"):
         import torch
@@ -91,6 +79,10 @@ def default_nproc(backend: str) -> int:
         import torch
 
         return torch.cuda.device_count()
+    if backend == "flax":  # every device of the host's accelerator, else 2 CPU devices
+        from portable_fsdp.backends.flax.devices import default_count
+
+        return default_count()
     return 2
 
 

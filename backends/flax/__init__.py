@@ -23,6 +23,7 @@ _DEFINED_IN = {
     "memory_report": "resources",
     "device_kind": "resources",
     "time_matmul": "resources",
+    "time_all_reduce": "resources",
     **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
                      "barrier", "any_rank", "model_info", "finalize"), "step"),
 }

@@ -14,6 +14,7 @@ GPU's compiler fuses and schedules differently, so activations there may differ;
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -69,8 +70,7 @@ def estimate(config_dict: dict, world_size: int) -> dict:
                        "tokens_per_rank": rows * config.data.seq_len // (plan.mesh.data_parallel_size
                                                                           * plan.mesh.sequence_size),
                        "cpu_offload": False, "seconds": time.perf_counter() - began}],
-            "model": {"n_params": info.n_params, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
-                      "n_embedding_params": info.n_embedding_params, "class": info.root_class},
+            "model": dataclasses.asdict(info),
             "same_on_every_device": True}
 
 

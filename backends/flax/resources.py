@@ -2,12 +2,12 @@
 MFU's peak (the rule itself is portable_fsdp.hardware's)."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from portable_fsdp import host_memory
 from portable_fsdp.backends.flax import processes
@@ -24,15 +24,20 @@ def _bytes_per_device(leaves) -> dict:
     return held
 
 
-def _device_stats(device) -> dict | None:
-    """Allocator statistics of an accelerator; None for host CPU devices, which share this process's memory."""
-    return device.memory_stats() if device.platform != "cpu" else None
-
-
-def memory_now_mb(device) -> float:
-    """Bytes in use on an accelerator; this process's resident set for a host CPU device."""
-    stats = _device_stats(device)
-    return stats.get("bytes_in_use", 0) / 2**20 if stats else host_memory.resident_mb()
+def device_memory_mb(device) -> dict:
+    """{mem_mb, peak_mem_mb, reserved_mb, peak_reserved_mb} of `device`: on an accelerator, its allocator's bytes
+    in use (now, at peak) and the bytes it holds (GPU: the pool it preallocated; else what it reserved); on a
+    host CPU device, which shares this process's memory, the process's resident set. An accelerator whose
+    allocator gives no statistics (XLA_PYTHON_CLIENT_ALLOCATOR=platform) reports 0, never the host's memory."""
+    if device.platform == "cpu":
+        now, peak = host_memory.resident_mb(), host_memory.peak_resident_mb()
+        return {"mem_mb": now, "peak_mem_mb": peak, "reserved_mb": now, "peak_reserved_mb": peak}
+    stats = device.memory_stats() or {}
+    in_use, peak = stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
+    held = stats.get("pool_bytes") or stats.get("bytes_reserved") or in_use
+    held_peak = stats.get("peak_pool_bytes") or stats.get("peak_bytes_reserved") or peak
+    return {"mem_mb": in_use / 2**20, "peak_mem_mb": peak / 2**20, "reserved_mb": held / 2**20,
+            "peak_reserved_mb": held_peak / 2**20}
 
 
 def reported_devices(mesh) -> list:
@@ -42,21 +47,17 @@ def reported_devices(mesh) -> list:
 
 
 def memory_report(state: TrainState) -> dict:
-    """Per-device MiB (this process's devices), the keys of MEMORY_KEYS. Host CPU devices share this process's memory, so there mem_mb,
-    peak_mem_mb, base_mem_mb (before the model existed) and shm_mb are the process's (the same number for every
-    device); state_mb (parameters and optimizer state) and grad_mb (one gradient per parameter shard, held
-    during a step, counted rather than read) are what each device holds."""
+    """Per-device MiB (this process's devices), the keys of MEMORY_KEYS (`device_memory_mb`). Host CPU devices
+    share this process's memory, so there the memory figures, base_mem_mb (before the model existed) and shm_mb
+    are the process's (the same number for every device); state_mb (parameters and optimizer state) and grad_mb
+    (one gradient per parameter shard, held during a step, counted rather than read) are what each device holds."""
     devices = reported_devices(state.ctx.mesh)
     held = _bytes_per_device(jax.tree.leaves((state.params, state.opt_state)))
     grads = _bytes_per_device(jax.tree.leaves(state.params))  # the flax lowering trains every parameter
-    current, peak, shared = [], [], []
-    for device in devices:
-        stats = _device_stats(device)
-        current.append(memory_now_mb(device))
-        peak.append(stats.get("peak_bytes_in_use", 0) / 2**20 if stats else host_memory.peak_resident_mb())
-        shared.append(0.0 if stats else host_memory.shared_resident_mb())
+    rows = [device_memory_mb(device) for device in devices]
+    shared = [host_memory.shared_resident_mb() if device.platform == "cpu" else 0.0 for device in devices]
     baseline = state.ctx.baseline_mb or (0.0,) * len(devices)
-    return {"mem_mb": [round(m, 1) for m in current], "peak_mem_mb": [round(m, 1) for m in peak],
+    return {**{key: [round(row[key], 1) for row in rows] for key in rows[0]},
             "state_mb": [round(held.get(d, 0) / 2**20, 2) for d in devices],
             "grad_mb": [round(grads.get(d, 0) / 2**20, 2) for d in devices],
             "base_mem_mb": [round(m, 1) for m in baseline], "shm_mb": [round(m, 1) for m in shared]}
@@ -70,11 +71,39 @@ def device_kind(state: TrainState) -> str:
 _matmul = jax.jit(lambda x, y: x @ y)  # the output keeps the operands' (replicated) sharding
 
 
+@functools.lru_cache(maxsize=4)
+def _operand(mesh, size: int, dtype: str):
+    """A random size x size operand made on every device of `mesh` at once (replicated): no host copy of it, and
+    with several processes no check that every host sent the same bytes."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    make = jax.jit(lambda key: jax.random.normal(key, (size, size), jnp.dtype(dtype)), out_shardings=replicated)
+    return make(jax.random.key(0))
+
+
+@functools.lru_cache(maxsize=4)
+def _all_reduce_program(mesh, size: int):
+    """(operand, program): a float32 array of one `size`-byte row per device of `mesh`, made on the devices, and
+    the jitted sum of its rows into a replicated result: XLA's all-reduce over every device."""
+    devices = mesh.devices.size
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    operand = jax.jit(lambda: jnp.ones((devices, size // 4), jnp.float32), out_shardings=rows)()
+    return operand, jax.jit(lambda x: x.sum(axis=0), out_shardings=replicated)
+
+
+def time_all_reduce(state: TrainState, size: int) -> float:
+    """Seconds of one all-reduce of `size` bytes over every device of the mesh (each device's row summed)."""
+    operand, program = _all_reduce_program(state.ctx.mesh, size)
+    operand.block_until_ready()
+    start = time.perf_counter()
+    program(operand).block_until_ready()  # compiled once per size, in hardware's warm-up
+    return time.perf_counter() - start
+
+
 def time_matmul(state: TrainState, size: int, dtype: str) -> float:
     """Seconds of one size x size product: the operands replicated over the mesh, so every device computes its
     own copy at once (host CPU devices share the cores, as portable_fsdp.hardware asks)."""
-    replicated = jax.sharding.NamedSharding(state.ctx.mesh, jax.sharding.PartitionSpec())
-    a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype), replicated)
+    a = _operand(state.ctx.mesh, size, dtype)
     a.block_until_ready()
     start = time.perf_counter()
     _matmul(a, a).block_until_ready()  # compiled once per shape and dtype, in hardware's warm-up

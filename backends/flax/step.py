@@ -60,8 +60,11 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
+    if plan.mixed_precision.param_dtype == "float32":
+        # float32 means float32: a GPU would otherwise multiply in TF32, a TPU in one bfloat16 pass
+        jax.config.update("jax_default_matmul_precision", "highest")
     mesh = sharding.build_mesh(plan.mesh, devices)
-    baseline_mb = tuple(resources.memory_now_mb(device) for device in resources.reported_devices(mesh))
+    baseline_mb = tuple(resources.device_memory_mb(device)["mem_mb"] for device in resources.reported_devices(mesh))
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
     weights = initial.prepare(config, remat)
     model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names

@@ -67,7 +67,9 @@ def load_balancing_share(router_logits: tuple, num_experts: int, top_k: int, all
     for layer_logits in router_logits:
         routing = torch.softmax(layer_logits, dim=-1)
         _, selected = torch.topk(routing, top_k, dim=-1)
-        chosen += torch.bincount(selected.reshape(-1), minlength=num_experts).double()
+        # a count of fixed shape (bincount's depends on the values): XLA compiles it once, the estimate traces it
+        choices = selected.reshape(-1)
+        chosen.index_add_(0, choices, torch.ones(choices.numel(), dtype=chosen.dtype, device=device))
         probabilities = probabilities + routing.float().sum(dim=0)
         rows += routing.shape[0]
     totals = all_reduce(torch.cat([chosen, chosen.new_tensor([rows])]))

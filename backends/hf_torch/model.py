@@ -13,7 +13,7 @@ import torch
 
 from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.backends.hf_torch import deferred_init
+from portable_fsdp.backends.hf_torch import deferred_init, experts
 from portable_fsdp.errors import UserError
 
 
@@ -112,7 +112,9 @@ def describe_model(config) -> ModelInfo:
         no_split_modules=tuple(model._no_split_modules or ()),
         n_params=sum(unique.values()), n_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, n_embedding_params=sum(embedding.values()), root_class=type(model).__name__,
-        inner_classes={name: tuple(sorted(classes)) for name, classes in inner.items()}, **family_settings(cfg))
+        inner_classes={name: tuple(sorted(classes)) for name, classes in inner.items()},
+        n_routed_expert_params=experts.routed_expert_params(model), experts_per_token=experts.experts_per_token(cfg),
+        **family_settings(cfg))
 
 
 # Where each family's config.json keeps the dropout on attention probabilities.
@@ -228,6 +230,16 @@ def _safetensors_fill(model, directory: pathlib.Path):
                         deliver(group, f.get_tensor(key).to(torch.float32))
 
     return fill
+
+
+def enable_gradient_checkpointing(model, checkpoint_function=None) -> None:
+    """train.gradient_checkpointing: transformers' own checkpointing of every layer — torch's non-reentrant
+    checkpoint, or `checkpoint_function` in its place (torch_xla's, behind an optimization barrier, without which
+    XLA folds the recomputation back into the forward and saves no memory)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # (transformers 5.24 deprecates the second name)
+    if checkpoint_function is not None:
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_function)
 
 
 def freeze_parameters(model, patterns: list) -> None:

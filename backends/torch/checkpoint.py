@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import export
 from portable_fsdp.backends.torch import distributed, save_process, sharded_writer
+from portable_fsdp.backends.torch.dtensors import full_value
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
 from portable_fsdp.backends.torch.model import _fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
@@ -97,7 +98,7 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
         # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
         return {**written, **sharded_writer.save(bundle, sharded, rank, distributed.slow_group(_io_timeout(state)))}
     # the copy into host memory overlaps the next step's forward and backward: only its update must wait (`staged`)
-    staging = _staging_thread().submit(_stager(state.ctx.runtime.device.type).stage, bundle)
+    staging = _staging_thread(state.ctx.runtime.device).submit(_stager(state.ctx.runtime.device.type).stage, bundle)
     _staging.append(staging)
     written_in_background = save_process.submit(staging, str(sharded), _io_timeout(state))
     result = concurrent.futures.Future()
@@ -123,8 +124,12 @@ def staged() -> None:
 
 
 @functools.cache
-def _staging_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-staging")
+def _staging_thread(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """The thread copying a background save's state to host memory. The CUDA current device is per thread: pinning
+    host memory from a thread that never chose one opens a CUDA context on GPU 0 (every rank's, on rank 0's GPU),
+    so the thread takes its rank's device first."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-staging",
+                                                 initializer=distributed.use_device, initargs=(device,))
 
 
 @functools.cache
@@ -149,7 +154,7 @@ def save_full_weights(model, directory: pathlib.Path, train) -> dict:
         directory, [export.entry(n, t, t.shape, train.save_dtype) for n, t in local.items()],
         safetensors_shards.parse_size(train.max_shard_size), rank, world)
     for name, tensor in local.items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective: every rank
+        full = full_value(tensor)  # a collective: every rank (an offloaded shard gathered on its mesh's device)
         if writer.owner(name) == rank:
             writer.write(name, export.host_bytes(full, train.save_dtype))
         del full
@@ -237,6 +242,8 @@ def _load_sharded(state, directory: pathlib.Path) -> None:
     model_sd = get_model_state_dict(state.model)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
     bundle = {"model": model_sd, "optim": optim_sd}
-    dcp.load(bundle, storage_reader=Reader(directory / checkpointing.SHARDED))
+    # dcp's collectives wait for the slowest rank's read: give them the load's bound, not the default's
+    dcp.load(bundle, storage_reader=Reader(directory / checkpointing.SHARDED),
+             process_group=distributed.slow_group(_io_timeout(state)))
     set_model_state_dict(state.model, bundle["model"])
     set_optimizer_state_dict(state.model, state.optimizer, bundle["optim"])

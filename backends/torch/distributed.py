@@ -11,6 +11,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from portable_fsdp import host_cores
+from portable_fsdp.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
@@ -26,12 +29,12 @@ def initialize(backend: str, timeout_s: int) -> Runtime:
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # The CPU work of a rank (the cpu backend's step; an offloaded AdamW beside a GPU) on its share of the cores
+    torch.set_num_threads(host_cores.share(local_world))
     if backend == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", device_index(local_rank, local_world, torch.cuda.device_count()))
+        use_device(device)
     else:
-        # Share the cores between the local workers instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
     if not dist.is_initialized():
         with gloo_banner_hidden():
@@ -39,6 +42,29 @@ def initialize(backend: str, timeout_s: int) -> Runtime:
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if backend == "cuda" else None)
     return Runtime(backend, rank, world_size, local_rank, device)
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (a thread starts on GPU 0); nothing for other devices."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def device_index(local_rank: int, local_ranks: int, visible: int) -> int:
+    """The CUDA device of local rank `local_rank` of `local_ranks` on a host where each process sees `visible`
+    GPUs: its own index when every rank sees them all, 0 when each process is shown one GPU of its own (SLURM's
+    --gpus-per-task, a Kubernetes pod per GPU: CUDA_VISIBLE_DEVICES names another GPU per process, and
+    LOCAL_RANK is no device index there)."""
+    if visible == 0:
+        raise UserError("--backend", f"cuda: local rank {local_rank} sees no GPU (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give every rank a GPU or use --backend cpu")
+    if local_rank < visible and visible >= local_ranks:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise UserError("--backend", (
+        f"cuda: {local_ranks} local ranks and {visible} GPUs visible to local rank {local_rank}; show every rank "
+        "all of this host's GPUs (one per rank) or exactly one of its own (CUDA_VISIBLE_DEVICES)"))
 
 
 @contextlib.contextmanager

@@ -32,10 +32,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from portable_fsdp.backends.hf_torch import chunked_loss, model as model_lib
+from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss
 from portable_fsdp.backends.hf_torch.optimizer import build_adamw
-from portable_fsdp.backends.torch import distributed, step as step_lib
+from portable_fsdp.backends.torch import distributed, expert_parallel, step as step_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup
 from portable_fsdp.backends.torch.mesh import build_meshes
 from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
@@ -111,16 +111,13 @@ def tracker_for(model, optimizer, offloaded: bool):
 
 
 def estimate(config_dict: dict, world_size: int, ranks: list, target: str, host_is_device: bool = False) -> dict:
-    """{"ranks": [estimate_rank(...) of each of `ranks`], "model": what the FLOPs formula needs}. `target`: the
+    """{"ranks": [estimate_rank(...) of each of `ranks`], "model": the model's ModelInfo as a dict}. `target`: the
     device type the run trains on (cuda or cpu), which picks the optimizer's kernel. `host_is_device`: the
     ranks train on the host's memory (cpu), so plan.cpu_offload moves nothing off it."""
     config = from_dict(config_dict)
     info = model_lib.describe_model(config)
     per_rank = [estimate_rank(config, world_size, rank, target, info, host_is_device) for rank in ranks]
-    return {"ranks": per_rank, "model": {"n_params": info.n_params, "n_layers": info.n_layers,
-                                         "hidden_size": info.hidden_size,
-                                         "n_embedding_params": info.n_embedding_params,
-                                         "class": info.root_class}}
+    return {"ranks": per_rank, "model": dataclasses.asdict(info)}
 
 
 def estimate_rank(config, world_size: int, rank: int, target: str, info, host_is_device: bool = False) -> dict:
@@ -162,12 +159,13 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         model = model_lib.create_model(config, rank, rank0_only=False)
         model_lib.freeze_parameters(model, config.train.freeze)
         if config.train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model_lib.enable_gradient_checkpointing(model)
         layer_classes = plan.wrap_classes(info)
         logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, "cpu", tensor_parallel_plan(plan, info))
         if target == "cuda" and plan.cpu_offload and not isinstance(model, FSDPModule):
             # one GPU with CPU offload trains under FSDP2, which the lowering skips for one CPU rank
             apply_fsdp(model, plan, meshes, layer_classes, "cpu")
+        experts.set_implementation(model, experts.choose(target))
         if not logits_sharded:  # as step.init: the loss a chunk of tokens at a time
             chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)
@@ -180,7 +178,7 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         batches = _micro_batches(config, micro_rows)
         offloaded = plan.cpu_offload and not host_is_device
         tracker = tracker_for(model, optimizer, offloaded)
-        with tracker:
+        with tracker, _traceable_experts():
             _one_step(ctx, model, optimizer, batches, config.train.grad_accum_steps, tracker)
     after = tracker.current()
     # What a rank holds between steps (parameters, AdamW's moments) and its gradient shards once backward ends.
@@ -190,6 +188,42 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
             "micro_batch_rows": micro_rows, "micro_batches_traced": len(batches),
             "tokens_per_rank": micro_rows * config.data.seq_len // plan.mesh.sequence_size,
             "cpu_offload": offloaded}
+
+
+@contextlib.contextmanager
+def _traceable_experts():
+    """Around the traced step, what a mixture of experts computes from the router's choices, which fake tensors
+    do not hold:
+    - under expert parallelism, each rank's (token, expert) pairs are taken as spread evenly over the experts
+      (`balanced_routes`): the same rows are exchanged and computed as with any routing, only their split
+      between the experts differs;
+    - `grouped_mm` experts (hf_torch.experts.choose) in another dtype than bfloat16 go through transformers' own
+      fallback op, whose fake-tensor kernel gives the same output; torch's fake kernel of `_grouped_mm` refuses
+      them (it checks the rule of CUDA's fast kernel: bfloat16 only). bfloat16 ones trace torch's own op."""
+    from transformers.integrations import moe
+
+    saved = [(expert_parallel, "route_counts", expert_parallel.route_counts)]
+    expert_parallel.route_counts = balanced_routes
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is not None:  # (another transformers: nothing to steer)
+        saved.append((moe, "_can_use_grouped_mm", original))
+        moe._can_use_grouped_mm = lambda input, weight, offs: (weight.dtype == torch.bfloat16
+                                                               and original(input, weight, offs))
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def balanced_routes(expert_ids: torch.Tensor, num_experts: int, group) -> tuple:
+    """expert_parallel.route_counts as if every rank sent each expert an equal share of its pairs (one more to
+    the first experts when they do not divide)."""
+    pairs, ranks = expert_ids.numel(), group.size()
+    per_expert = [pairs // num_experts + (expert < pairs % num_experts) for expert in range(num_experts)]
+    local = num_experts // ranks
+    mine = per_expert[dist.get_rank(group) * local:][:local]
+    return per_expert, [list(mine) for _ in range(ranks)]
 
 
 def _create_optimizer_state(model, optimizer) -> None:
@@ -229,7 +263,7 @@ def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker) 
             loss = step_lib._loss_sum(ctx, model, input_ids, labels, positions, router)
             (loss / tokens).backward()
     if ctx.meshes.tp is not None:
-        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group())
+        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), ctx.runtime.device)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

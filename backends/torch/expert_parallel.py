@@ -31,16 +31,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from portable_fsdp.backends.hf_torch.experts import expert_modules
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
 from portable_fsdp.errors import UserError
 
 WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def expert_modules(model: nn.Module) -> list:
-    """The fused experts modules of `model`: transformers' classes decorated with `use_experts_implementation`
-    (which marks them with `_is_expert_parallel`)."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> list:
@@ -85,22 +80,31 @@ def _dispatching_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
     local = self.num_experts // ranks
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # pairs grouped by expert, so by the rank holding it
-    with torch.no_grad():
-        sent_counts = torch.bincount(expert_ids, minlength=self.num_experts)
-        received_counts = torch.empty_like(sent_counts)  # [source rank, local expert], flattened
-        dist.all_to_all_single(received_counts, sent_counts, group=group)
-    send_splits = sent_counts.view(ranks, local).sum(1).tolist()
-    received_counts = received_counts.view(ranks, local)
-    receive_splits = received_counts.sum(1).tolist()
+    sent, received = route_counts(expert_ids, self.num_experts, group)
+    send_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ranks)]
+    receive_splits = [sum(row) for row in received]
     rows = _exchange(hidden_states[order // top_k], receive_splits, send_splits, group)
     # Rows arrive by source rank, then by local expert: put each local expert's rows together.
     local_ids = torch.arange(local, device=rows.device).repeat(ranks)
-    by_expert = torch.argsort(torch.repeat_interleave(local_ids, received_counts.reshape(-1)), stable=True)
-    outputs = _local_experts(self, rows[by_expert], received_counts.sum(0).tolist())
+    flat = torch.tensor([n for row in received for n in row], device=rows.device)
+    by_expert = torch.argsort(torch.repeat_interleave(local_ids, flat, output_size=rows.shape[0]), stable=True)
+    outputs = _local_experts(self, rows[by_expert], [sum(column) for column in zip(*received)])
     returned = _exchange(outputs[_inverse(by_expert)], send_splits, receive_splits, group)
     per_pair = returned[_inverse(order)].view(num_tokens, top_k, -1)
     # As transformers' implementations: router weights applied per pair, the K results summed, then the dtype.
     return (per_pair * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+
+
+def route_counts(expert_ids: torch.Tensor, num_experts: int, group) -> tuple:
+    """(sent, received) as Python lists: how many of this rank's (token, expert) pairs go to each expert, and
+    [source rank][local expert] how many pairs each rank of `group` sends to this rank's experts (one all-to-all
+    of the counts). The memory estimate replaces it with balanced routing (fake tensors hold no ids to count)."""
+    ranks = group.size()
+    with torch.no_grad():
+        sent = torch.bincount(expert_ids, minlength=num_experts)
+        received = torch.empty_like(sent)  # [source rank, local expert], flattened
+        dist.all_to_all_single(received, sent, group=group)
+    return sent.tolist(), received.view(ranks, num_experts // ranks).tolist()
 
 
 def _exchange(rows: torch.Tensor, receive_splits: list, send_splits: list, group) -> torch.Tensor:

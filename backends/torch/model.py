@@ -11,27 +11,46 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 
-def broadcast_from_rank0(model, full_state_dict, device: torch.device) -> None:
-    """After `fully_shard` of a meta-device model: allocate the shards and scatter rank 0's weights.
-    Rank 0 keeps its real model (to_empty there would also wipe the buffers it is about to send)."""
+def broadcast_from_rank0(model, full_state_dict, parameters_on: torch.device, compute_on: torch.device) -> None:
+    """After `fully_shard` of a meta-device model: allocate the shards on `parameters_on` (the host under
+    plan.cpu_offload) and scatter rank 0's weights. Rank 0 keeps its real model (to_empty there would also wipe
+    the buffers it is about to send). Buffers live where the model computes (`compute_on`) on every rank, as
+    `fully_shard` put rank 0's: a broadcast's tensors must be on its process group's device."""
     if dist.get_rank() != 0:
-        model.to_empty(device=device)
+        model.to_empty(device=parameters_on)
+    place_buffers(model, compute_on)
     set_model_state_dict(model, full_state_dict if dist.get_rank() == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Non-persistent buffers (e.g. rotary inv_freq) are in no state dict: rank 0 computed them, send them.
+    broadcast_computed_buffers(model)
+
+
+def broadcast_computed_buffers(model) -> None:
+    """Non-persistent buffers (e.g. rotary inv_freq) are in no state dict: rank 0 computed them, send them — by
+    name, in one order on every rank (a set's order differs between processes: string hashes are salted, and two
+    rotary tables of one shape, as Gemma 3's, would silently swap)."""
     for module in model.modules():
-        for name in module._non_persistent_buffers_set:
+        for name in sorted(module._non_persistent_buffers_set):
             buffer = getattr(module, name)
             if buffer is not None:
                 dist.broadcast(buffer, src=0)
 
 
-def materialize_shards(model, on_meta, device: torch.device) -> None:
+def place_buffers(model, device: torch.device) -> None:
+    """Every buffer of `model` onto `device`, parameters left where they are (FSDP2's CPU offload keeps the
+    parameters in host memory and moves only them to the device, unit by unit, when a layer runs)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+def materialize_shards(model, on_meta, parameters_on: torch.device, compute_on: torch.device) -> None:
     """After parallelizing a model built on the meta device (hf_torch.model.create_on_meta): allocate this
-    rank's shards on `device` and fill them, one full parameter at a time on the CPU (the seeded init replayed,
-    or read from the files), each rank keeping its own slice; then the computed buffers. No rank ever holds the
-    whole model."""
-    model.to_empty(device=device)
+    rank's shards on `parameters_on` and fill them, one full parameter at a time on the CPU (the seeded init
+    replayed, or read from the files), each rank keeping its own slice; then the computed buffers, on `compute_on`.
+    No rank ever holds the whole model."""
+    model.to_empty(device=parameters_on)
+    place_buffers(model, compute_on)
     params = {_unwrapped_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
 
     def deliver(names, full):

@@ -18,6 +18,7 @@ the first background save and lives until `close` (the backend's finalize):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import os
 import pathlib
@@ -46,7 +47,8 @@ class _Writer:
         try:
             self.process = context.Process(target=_serve, name=f"portable_fsdp-writer-{rank}", daemon=True,
                                            args=(child_end, rank, world_size, *address[0], timeout_s, os.getpid()))
-            self.process.start()
+            with _no_gpus_for_children():
+                self.process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_end.close()
@@ -98,6 +100,23 @@ class _Writer:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+
+@contextlib.contextmanager
+def _no_gpus_for_children():
+    """While the writer is spawned: it writes host memory only, yet dcp's writer opens a CUDA context (on GPU 0:
+    hundreds of MiB of every rank's writer on one GPU, or a failed save where GPUs are exclusive) wherever it sees
+    a GPU. The spawned process inherits the environment with no GPU visible; this process, whose CUDA runtime
+    read CUDA_VISIBLE_DEVICES when it started, keeps its own."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 _writer: _Writer | None = None

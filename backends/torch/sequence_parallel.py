@@ -19,7 +19,6 @@ all-to-alls below are the whole algorithm.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -28,12 +27,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from portable_fsdp.backends.torch.batch_layout import BatchLayout
 from portable_fsdp.backends.torch.context_parallel import slice_batch
 from portable_fsdp.sequence_split import shard_indices
 
 ULYSSES_ATTENTION = "portable_fsdp_ulysses_{inner}"
 
-_active_layout: contextvars.ContextVar = contextvars.ContextVar("portable_fsdp_sp_layout", default=None)
+_active_layout = BatchLayout()  # read by the attention, wherever autograd runs it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +176,5 @@ def sequence_shard(sp: SPGroup, batch, device):
     *and* backward must run inside (activation checkpointing re-runs attention during backward)."""
     mine = shard_indices(batch.input_ids.shape[1], sp.sp_size, sp.sp_rank, load_balance=False)
     segments = None if batch.segment_ids is None else torch.from_numpy(batch.segment_ids).to(device)
-    token = _active_layout.set(SPLayout(sp.group, sp.sp_size, segments))
-    try:
+    with _active_layout.active(SPLayout(sp.group, sp.sp_size, segments)):
         yield slice_batch(batch, mine, device)
-    finally:
-        _active_layout.reset(token)

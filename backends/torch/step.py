@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import chunked_loss, matmul, model as model_lib
+from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
 from portable_fsdp.backends.torch import checkpoint, distributed
 from portable_fsdp.backends.torch import float8
-from portable_fsdp.backends.torch import host_allocator
+from portable_fsdp.backends.torch import host_allocator, resources
 from portable_fsdp.backends.torch import save_process
 from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
@@ -35,7 +35,6 @@ from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize, shards
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
 from portable_fsdp.data.loader import Batch
-from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
@@ -57,7 +56,7 @@ class Context:
     logits_sharded: bool  # over the vocabulary (tensor parallelism): the loss runs under loss_parallel
     info: ModelInfo
     schedule: object
-    baseline_mb: float  # this process's memory before the model existed (libraries, process group)
+    baseline_mb: float  # memory in use before the model existed (libraries, process group; CUDA context, NCCL)
 
     @property
     def counts_tokens(self) -> bool:
@@ -86,7 +85,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if plan.float8:  # before the model is built: torchao missing, or a GPU without float8, is one line
         float8.check_supported(runtime.device)
     info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
-    baseline_mb = _memory_now_mb(runtime.device)
+    baseline_mb = resources.in_use_mb(runtime.device)
     layer_classes = plan.wrap_classes(info)
     meshes = build_meshes(plan.mesh, runtime.device.type)
     cp = sp = None
@@ -105,20 +104,27 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model_lib.enable_gradient_checkpointing(model)
     logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, runtime.device.type,
                                  tensor_parallel_plan(plan, info))
+    experts.set_implementation(model, experts.choose(runtime.device.type))
     if not logits_sharded:  # a vocabulary-split lm_head keeps its loss_parallel loss (V / tp per rank)
         chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), runtime.device.type)
-    parameters_on = torch.device("cpu") if plan.cpu_offload else runtime.device
+    parameters_on = state_device(plan, runtime.device)
     if rank0_only and isinstance(model, FSDPModule):  # one rank alone built the whole model already
-        broadcast_from_rank0(model, full_weights, parameters_on)
+        broadcast_from_rank0(model, full_weights, parameters_on, runtime.device)
     if on_meta:
-        materialize_shards(model, on_meta, parameters_on)
+        materialize_shards(model, on_meta, parameters_on, runtime.device)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
                                                    schedule_for(config.train), baseline_mb))
+
+
+def state_device(plan: ShardingPlan, device: torch.device) -> torch.device:
+    """Where parameters, gradients and optimizer state live: host memory under plan.cpu_offload, else the
+    device the rank computes on (buffers, activations and gathered parameters are always there)."""
+    return torch.device("cpu") if plan.cpu_offload else device
 
 
 def _all_reduce_sum(values: list, device: torch.device) -> list:
@@ -134,6 +140,8 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     lr = ctx.schedule(state.step)
     checkpoint.staged()  # a background save's copy of the weights and moments, made during the forward and backward
     finite = apply_update(state.optimizer, lr, loss, grad_norm, state.step + 1, ctx.config.train.nonfinite)
+    if ctx.runtime.device.type == "cuda":  # the step's time includes its update, still queued on the GPU
+        torch.cuda.synchronize(ctx.runtime.device)
     metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics
 
@@ -161,7 +169,7 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
     loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
                                     sum_dtype=torch.float64)
     if ctx.meshes.tp is not None:
-        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group())
+        all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), device)
     (total_loss,) = _all_reduce_sum([loss_sum.item() if ctx.counts_loss else 0.0], device)
     return total_loss / max(global_tokens, 1.0), global_tokens
 
@@ -219,14 +227,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device
     Every rank adds the squares of its local pieces, each weighted by the share of the world that holds that
     very piece: a DTensor's local shard is held by world / (product of its sharded mesh dimensions) ranks (its
     replicas: replicated mesh dimensions, and every rank outside its mesh, e.g. the tp ranks of a norm weight);
-    a plain tensor by every rank. One all-reduce of the weighted sums then counts every element once."""
+    a plain tensor by every rank. One all-reduce of the weighted sums then counts every element once. The squares
+    are summed in float64 where the gradients are (host memory under plan.cpu_offload), and cross to `device` once."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     world = dist.get_world_size()
-    squares = torch.zeros((), dtype=torch.float64, device=device)
+    where: dict = {}  # device -> Σ weighted squares of the pieces there
     for grad, piece in zip(grads, local):
         holders = world // _shard_count(grad) if isinstance(grad, DTensor) else world
-        squares += piece.detach().double().pow(2).sum().to(device) / holders
+        square = torch.linalg.vector_norm(piece.detach(), dtype=torch.float64).square() / holders
+        where[piece.device] = where.get(piece.device, 0.0) + square
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for total in where.values():
+        squares += total.to(device)
     dist.all_reduce(squares)
     norm = math.sqrt(max(squares.item(), 0.0))
     if max_norm > 0:
@@ -334,34 +347,24 @@ def _gradient_bytes(state: TrainState) -> int:
     return _local_bytes(p for p in state.model.parameters() if p.requires_grad)
 
 
-def _memory_now_mb(device: torch.device) -> float:
-    """Allocated device memory on CUDA; the resident set of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    return host_memory.resident_mb()
-
-
 def memory_report(state: TrainState) -> dict:
-    """Per-rank memory in MiB (a collective: every rank must call it). mem_mb / peak_mem_mb: resident set
-    now / at its peak (CPU) or allocated by torch (CUDA); `state_mb`: parameters and optimizer state this
+    """Per-rank memory in MiB (a collective: every rank must call it), the keys of MEMORY_KEYS: mem_mb /
+    peak_mem_mb / reserved_mb / peak_reserved_mb as torch/resources.py reads them (allocated and reserved by
+    the caching allocator on CUDA, the resident set on CPU); `state_mb`: parameters and optimizer state this
     rank holds; `grad_mb`: its gradient shards, held during a step (with grad_accum_steps > 1, FSDP2 holds
-    unsharded gradients between micro-batches); `base_mem_mb`: the process before the model existed
-    (libraries, process group; on CUDA what torch had allocated); `shm_mb`: shared memory in mem_mb."""
+    unsharded gradients between micro-batches); `base_mem_mb`: memory in use before the model existed
+    (libraries, process group; on CUDA the context and NCCL's buffers too); `shm_mb`: shared memory in mem_mb."""
     device = state.ctx.runtime.device
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        peak = host_memory.peak_resident_mb()
-    shared = host_memory.shared_resident_mb() if device.type == "cpu" else 0.0
-    mine = torch.tensor([_memory_now_mb(device), peak, _state_bytes(state) / 2**20, _gradient_bytes(state) / 2**20,
-                         state.ctx.baseline_mb, shared],
-                        dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    keys = ("mem_mb", "peak_mem_mb", "reserved_mb", "peak_reserved_mb", "state_mb", "grad_mb", "base_mem_mb",
+            "shm_mb")
+    mine = {**resources.memory_mb(device), "state_mb": _state_bytes(state) / 2**20,
+            "grad_mb": _gradient_bytes(state) / 2**20, "base_mem_mb": state.ctx.baseline_mb,
+            "shm_mb": resources.shared_mb(device)}
+    local = torch.tensor([mine[key] for key in keys], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
     rows = np.array([g.tolist() for g in gathered])
-    return {"mem_mb": rows[:, 0].round(1).tolist(), "peak_mem_mb": rows[:, 1].round(1).tolist(),
-            "state_mb": rows[:, 2].round(2).tolist(), "grad_mb": rows[:, 3].round(2).tolist(),
-            "base_mem_mb": rows[:, 4].round(1).tolist(), "shm_mb": rows[:, 5].round(1).tolist()}
+    return {key: rows[:, i].round(2 if key in ("state_mb", "grad_mb") else 1).tolist() for i, key in enumerate(keys)}
 
 
 def placement(state: TrainState) -> Placement:
@@ -382,15 +385,15 @@ def any_rank(state: TrainState, flag: bool) -> bool:
 
 
 def device_kind(state: TrainState) -> str:
-    device = state.ctx.runtime.device
-    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    return resources.device_kind(state.ctx.runtime.device)
 
 
 def time_matmul(state: TrainState, size: int, dtype: str) -> float:
-    """Seconds of one size x size product on this rank's device (the primitive of portable_fsdp.hardware)."""
-    device = state.ctx.runtime.device
-    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    return matmul.time_matmul(device, size, dtype, wait)
+    return resources.time_matmul(state.ctx.runtime.device, size, dtype)
+
+
+def time_all_reduce(state: TrainState, size: int) -> float:
+    return resources.time_all_reduce(state.ctx.runtime.device, size)
 
 
 def model_info(state: TrainState) -> ModelInfo:

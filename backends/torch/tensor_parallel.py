@@ -88,15 +88,20 @@ def _shard_logits(model: nn.Module, tp_mesh) -> bool:
     return True
 
 
-def all_reduce_replicated_gradients(model: nn.Module, tp_group) -> None:
+def all_reduce_replicated_gradients(model: nn.Module, tp_group, device: torch.device) -> None:
     """Sum over the tp group the gradients of the weights kept whole whose gradient each rank computed from its
-    own heads only (after the last backward of a step: the sum is linear, accumulation included)."""
+    own heads only (after the last backward of a step: the sum is linear, accumulation included). The sum runs
+    on `device`, the group's: under plan.cpu_offload FSDP2 has moved the gradients to host memory, which NCCL
+    cannot read."""
     for module in model.modules():
         if getattr(module, GRAD_ALL_REDUCE, False):
             for param in module.parameters(recurse=False):
                 if param.grad is not None:
                     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                    dist.all_reduce(grad, group=tp_group)
+                    on_device = grad.to(device)
+                    dist.all_reduce(on_device, group=tp_group)
+                    if on_device is not grad:
+                        grad.copy_(on_device)
 
 
 def sync_rng(tp_mesh, device) -> None:

@@ -11,7 +11,7 @@ from portable_fsdp.backends.hf_torch.model import describe_model  # the same tra
 _SURFACE = {
     "init": "step", "train_step": "step", "eval_step": "step", "count_label_tokens": "step",
     "predict_step": "step", "memory_report": "step", "placement": "step", "barrier": "step", "any_rank": "step",
-    "device_kind": "step", "time_matmul": "step", "model_info": "step", "finalize": "step",
+    "device_kind": "step", "time_matmul": "step", "time_all_reduce": "step", "model_info": "step", "finalize": "step",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
 }
 

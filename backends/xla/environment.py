@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from portable_fsdp import tpu_vm
+from portable_fsdp.errors import UserError
+
 
 def configure(cpu_devices: int) -> None:
     """`cpu_devices` PJRT CPU devices if the run lands on the CPU.
@@ -18,21 +21,31 @@ def configure(cpu_devices: int) -> None:
 
 
 def device_type() -> str:
-    """"CPU", "TPU", ... — imports torch_xla (which settles PJRT_DEVICE) but does not start its runtime."""
+    """"CPU", "TPU", ... — imports torch_xla (which settles PJRT_DEVICE) but does not start its runtime. A host
+    with TPU chips where torch_xla settles on the CPU (no libtpu: it only logs "Defaulting to PJRT_DEVICE=CPU")
+    is one line, unless PJRT_DEVICE=CPU says so."""
     import torch_xla.runtime as xr
 
-    return xr.device_type()
+    device = xr.device_type()
+    return checked_device(device, tpu_vm.tpu_visible(), os.environ.get("PJRT_DEVICE", ""))
+
+
+def checked_device(device: str, tpu_attached: bool, asked: str) -> str:
+    if device == "CPU" and tpu_attached and asked.upper() != "CPU":
+        raise UserError("--backend", (
+            "xla: this host has TPU chips but torch_xla found no TPU runtime and would train on the CPU; install "
+            "it (pip install 'torch_xla[tpu]'), or set PJRT_DEVICE=CPU to train on the host"))
+    return device
 
 
 def spmd_device_count(device: str, cpu_devices: int) -> int:
-    """Devices one SPMD program spans: every device of the slice (on a TPU this starts the runtime, in SPMD
-    mode as the worker in this same process needs it)."""
+    """Devices one SPMD program spans: every device of the slice, counted without starting the runtime (the
+    start-up checks that follow may fork, which a started TPU runtime does not survive)."""
     if device == "CPU":
         return cpu_devices
-    import torch_xla.runtime as xr
+    from torch_xla._internal import tpu
 
-    xr.use_spmd()
-    return xr.global_runtime_device_count()
+    return tpu.num_expected_global_devices()
 
 
 def v1_process_count(device: str) -> int:

@@ -16,15 +16,16 @@ import functools
 
 import torch
 
+from portable_fsdp.backends.hf_torch import experts
+
 XLA_EXPERTS = "batched_mm"
 
 
 def prepare(model: torch.nn.Module) -> None:
     """Make a transformers MoE model trainable under torch_xla (a model without experts is left as it is)."""
-    if not hasattr(model.config, "num_experts_per_tok"):  # the routing setting of every transformers MoE config
+    if not experts.experts_per_token(model.config):  # the routing setting of every transformers MoE config
         return
-    if model.config._experts_implementation != XLA_EXPERTS:
-        model.set_experts_implementation(XLA_EXPERTS)
+    experts.set_implementation(model, XLA_EXPERTS)
     _histc_takes_integers()
 
 

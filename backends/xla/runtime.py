@@ -8,6 +8,7 @@ FSDP v1: one process per device (torch_xla's launcher); tensors are local, and s
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -45,6 +46,11 @@ def initialize(plan: ShardingPlan) -> Runtime:
         if not xr.is_spmd():
             xr.use_spmd()  # before any tensor reaches a device
         devices = xr.global_runtime_device_count()
+        # On a TPU the launcher counted the slice's devices from its metadata, before the runtime started
+        counted = int(os.environ.get("WORLD_SIZE", devices)) if xr.device_type() != "CPU" else devices
+        if devices != counted:
+            raise UserError("--nproc", f"xla: torch_xla's runtime has {devices} devices where {counted} were counted "
+                            "before it started (the TPU's topology settings changed?); set them back or restart")
         # One mesh for every axis of the plan, outermost first (backends/xla/layout.py): tp devices are
         # neighbours, as are the devices one sequence is split over.
         spec = plan.mesh.resolve(devices)

@@ -11,18 +11,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from portable_fsdp.backends.hf_torch import chunked_loss, matmul
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
-from portable_fsdp.backends.hf_torch.model import create_model, create_on_meta, describe_model, freeze_parameters
+from portable_fsdp.backends.hf_torch.model import (create_model, create_on_meta, describe_model,
+                                                  enable_gradient_checkpointing, freeze_parameters)
 from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, params as params_lib
-from portable_fsdp.backends.xla import runtime as rt
+from portable_fsdp.backends.xla import resources, runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.loader import IGNORE_INDEX, Batch
 from portable_fsdp import host_memory
@@ -43,7 +46,7 @@ class Context:
     schedule: object
     hf_model: nn.Module  # the transformers model inside the wrappers: its config and save_pretrained
     named: tuple  # params.NamedParameter per parameter, in checkpoint names
-    baseline_mb: float = 0.0  # this process's resident set before the model existed (libraries, runtime)
+    baseline_mb: float = 0.0  # memory before the model existed (libraries, runtime): host RSS on CPU, HBM on a TPU
 
     @property
     def autocast_dtype(self):
@@ -62,7 +65,13 @@ class TrainState:
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     runtime = rt.initialize(plan)
-    baseline_mb = host_memory.resident_mb()
+    if plan.mixed_precision.param_dtype == "float32" and runtime.device_type != "CPU":
+        # float32 means float32: a TPU otherwise multiplies float32 operands in one bfloat16 pass
+        import torch_xla.backends
+
+        torch_xla.backends.set_mat_mul_precision("highest")
+    local_devices = runtime.world_size // runtime.process_count if runtime.spmd else 1
+    baseline_mb = resources.memory_mb(runtime.spmd, runtime.device_type, local_devices, runtime.device)[0]["mem_mb"]
     v1_kwargs = {} if runtime.spmd else fsdp_settings.v1_kwargs(
         plan, plan.xla.xla_fsdp_settings, fsdp_settings.v1_signature(), config.train.weight_decay)
     info = describe_model(config)
@@ -74,7 +83,9 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     moe.prepare(model)  # experts that XLA compiles, and a histc PJRT CPU runs (backends/xla/moe.py)
     freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from torch_xla.utils.checkpoint import checkpoint  # behind XLA's optimization barrier
+
+        enable_gradient_checkpointing(model, checkpoint)
     root = parallelize(model, plan, runtime, info, layer_classes, v1_kwargs, on_meta)
     # Under SPMD the program is global: a chunk spans the rows and sequence parts of every device.
     spmd = {"sequence_parts": plan.mesh.sequence_size, "row_shards": plan.mesh.data_parallel_size} if runtime.spmd else {}
@@ -201,21 +212,20 @@ def _bytes_per_device(state: TrainState, tensors: list, key: str) -> list:
 
 
 def memory_report(state: TrainState) -> dict:
-    """Per device (the plan's ranks), in MiB, the keys of MEMORY_KEYS. PJRT CPU and SPMD report no per-device
-    memory: mem_mb, peak_mem_mb, base_mem_mb (before the model existed) and shm_mb are the host process's,
-    given for each device it drives; state_mb and grad_mb are what each device holds."""
+    """Per device (the plan's ranks), in MiB, the keys of MEMORY_KEYS: each device's memory as
+    backends/xla/resources.py reads it (HBM on a TPU; the host process's resident set, given for each device it
+    drives, on PJRT CPU), base_mem_mb (before the model existed) and shm_mb; state_mb and grad_mb are what each
+    device holds."""
     runtime = state.ctx.runtime
-    host = (host_memory.resident_mb(), host_memory.peak_resident_mb(), state.ctx.baseline_mb,
-            host_memory.shared_resident_mb())
     state_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _state_tensors(state), "state_bytes")]
     grad_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _gradient_tensors(state), "grad_bytes")]
-    if runtime.spmd:
-        rows = [host] * len(state_mb)
-    else:
-        rows = xm.mesh_reduce("portable_fsdp.memory", [host], lambda parts: sum(parts, []))
-    mem, peak, base, shared = ([round(r[i], 1) for r in rows] for i in range(4))
-    return {"mem_mb": mem, "peak_mem_mb": peak, "state_mb": state_mb, "grad_mb": grad_mb, "base_mem_mb": base,
-            "shm_mb": shared}
+    shared = host_memory.shared_resident_mb() if runtime.device_type == "CPU" else 0.0
+    mine = [{**row, "base_mem_mb": state.ctx.baseline_mb, "shm_mb": shared}
+            for row in resources.memory_mb(runtime.spmd, runtime.device_type, len(state_mb) if runtime.spmd else 1,
+                                           runtime.device)]
+    rows = mine if runtime.spmd else xm.mesh_reduce("portable_fsdp.memory", mine, lambda parts: sum(parts, []))
+    return {**{key: [round(row[key], 1) for row in rows] for key in mine[0]}, "state_mb": state_mb,
+            "grad_mb": grad_mb}
 
 
 def placement(state: TrainState) -> Placement:
@@ -236,15 +246,37 @@ def any_rank(state: TrainState, flag: bool) -> bool:
 
 
 def device_kind(state: TrainState) -> str:
-    """The PJRT device kind ("TPU v5 lite"; "cpu" on PJRT CPU)."""
-    runtime = state.ctx.runtime
-    return "cpu" if runtime.device_type == "CPU" else xm.xla_device_kind()
+    """The device MFU's datasheet peak is looked up by (backends/xla/resources.py)."""
+    return resources.device_kind(state.ctx.runtime.spmd, state.ctx.runtime.device_type)
 
 
 def time_matmul(state: TrainState, size: int, dtype: str) -> float:
     """Seconds of one size x size product on one device. Under SPMD the operands are replicated, so every
     device of the process runs its own copy at once, as portable_fsdp.hardware asks."""
     return matmul.time_matmul(state.ctx.runtime.device, size, dtype, xm.wait_device_ops)
+
+
+def time_all_reduce(state: TrainState, size: int) -> float:
+    """Seconds of one all-reduce of `size` bytes over every device: under SPMD one row per device, summed into a
+    replicated result (the compiler's all-reduce); under FSDP v1 xm.all_reduce over the processes."""
+    runtime = state.ctx.runtime
+    if runtime.spmd:
+        operand = torch.ones(runtime.world_size, size // 4, device=runtime.device)  # one row made on each device
+        xs.mark_sharding(operand, runtime.mesh, (tuple(runtime.mesh.axis_names), None))
+        rt.sync()
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        operand.sum(dim=0)
+    else:
+        operand = torch.ones(size // 4, device=runtime.device)
+        rt.sync()
+        xm.wait_device_ops()
+        rt.barrier(runtime)
+        start = time.perf_counter()
+        xm.all_reduce(xm.REDUCE_SUM, operand)
+    rt.sync()
+    xm.wait_device_ops()
+    return time.perf_counter() - start
 
 
 def model_info(state: TrainState) -> ModelInfo:

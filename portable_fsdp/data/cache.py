@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from portable_fsdp import host_cores
 from portable_fsdp.data.sources import BadRow, Source, open_dataset
 from portable_fsdp.errors import UserError
 
@@ -247,7 +248,7 @@ def build(final: pathlib.Path, data_cfg, src: Source, tokenizer) -> None:
 
 
 def _processes(num_proc: int, rows: int) -> int:
-    wanted = num_proc or min(os.cpu_count() or 1, 16)
+    wanted = num_proc or min(host_cores.available(), 16)
     return max(1, min(wanted, rows // ROWS_PER_PROCESS))
 
 

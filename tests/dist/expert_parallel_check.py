@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp import backends
 from portable_fsdp.backends.hf_torch.model import create_model
-from portable_fsdp.backends.torch.expert_parallel import expert_modules
+from portable_fsdp.backends.hf_torch.experts import expert_modules
 from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan

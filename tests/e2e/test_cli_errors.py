@@ -92,6 +92,9 @@ CASES = [
      "error: plan.auto_wrap_policy: unknown value 'EVERYTHING'; choose one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"),
     (['--config.plan.state_dict_type=LOCAL_STATE_DICT'],
      "error: plan.state_dict_type: unknown value 'LOCAL_STATE_DICT'; choose one of FULL_STATE_DICT, SHARDED_STATE_DICT"),
+    (['--config.plan.param_dtype=float16'],
+     'error: plan.param_dtype: float16 trains only with loss scaling (gradients below float16\'s range become 0), which '
+     'this lowering does not apply; use bfloat16 (Accelerate: mixed_precision: bf16), which needs none'),
     (['--config.plan.param_dtype=fp8'],
      "error: plan.param_dtype: unknown dtype 'fp8'; choose one of float32, bfloat16, float16"),
     (['--config.plan.xla_fsdp_settings=[1]'],

@@ -119,3 +119,15 @@ def test_flax_compiled_estimate_shards_state_over_devices():
         assert device["held"]["parameters"] - n_params * FLOAT32 // n in range(0, 5 * 64 * FLOAT32 + 1)
         assert device["program"]["temporaries"] > device["held"]["gradients"]  # gradients and activations
     assert one.peak > 1.8 * two.peak
+
+
+@pytest.mark.parametrize("args", [
+    ["--nproc", "1"], ["--nproc", "2"],
+    # bfloat16 on an H100: the grouped GEMM the CUDA run takes, traced in its dtype
+    ["--nproc", "2", "--backend", "cuda", "--device", "h100", "--config.plan.param_dtype=bfloat16"]])
+def test_a_mixture_of_experts_estimate_traces_its_grouped_experts(args):
+    proc = run_estimate("--config", f"{ROOT / 'configs' / 'qwen3_30b_a3b.py'}:smoke", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the step's FLOPs count the 2 of 4 experts a token runs through (tests/e2e/test_moe_flops.py)
+    assert "N = 74,624 active parameters" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("fits: ")

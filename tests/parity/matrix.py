@@ -49,6 +49,7 @@ VARIANTS = {
     "cpu_offload": Variant({"plan.cpu_offload": "true"}),
     "activation_checkpointing": Variant(CHECKPOINTING),
     "hf_grad_ckpt": Variant({"plan.xla_fsdp_grad_ckpt": "true"}),
+    "model_grad_ckpt": Variant({"train.gradient_checkpointing": "true"}),  # transformers' own, not the plan's
     "bf16": Variant({"plan.param_dtype": "bfloat16"}),
     "bf16_eager": Variant({"plan.param_dtype": "bfloat16", "model.attn_implementation": "eager"}),
     "size_based_wrap": Variant({"plan.auto_wrap_policy": "SIZE_BASED_WRAP", "plan.min_num_params": "20000"}),
@@ -109,8 +110,8 @@ DEFAULT = {
             "cp2_allgather", "cp2_alltoall", "documents_cp2_allgather", "documents_cp2_alltoall",
             "fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
             "cp4_alltoall_contiguous", "tp2", "loss_chunks", "unchunked_loss"],
-    "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2",
-            "v1", "loss_chunks"],
+    "xla": ["base", "activation_checkpointing", "model_grad_ckpt", "fsdp4", "fsdp4_checkpointing",
+            "fsdp2_cp2_allgather", "fsdp2_tp2", "v1", "loss_chunks"],
     "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2", "loss_chunks"],
 }
 

@@ -1,9 +1,12 @@
 """The memory estimate's neutral side (portable_fsdp/estimate.py): which device a run trains on, the verdict line,
 which settings are tried when a run does not fit and which of them are reported. The traced numbers themselves
 are tested in tests/e2e/test_estimate.py."""
+import dataclasses
+
 import pytest
 
 from portable_fsdp import estimate, hardware
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import load_recipe
 from portable_fsdp.errors import UserError
 
@@ -63,7 +66,8 @@ def result(peak, state=GiB, offload=False, ranks=(0,)):
     return {"ranks": [{"rank": r, "peak": peak, "cpu_offload": offload,
                        "held": {"parameters": state // 3, "gradients": state // 3, "optimizer": 2 * state // 3},
                        "at_peak": {}} for r in ranks],
-            "model": {"n_params": 10, "n_layers": 1, "hidden_size": 4, "n_embedding_params": 0, "class": "X"}}
+            "model": dataclasses.asdict(ModelInfo((), (), n_params=10, n_layers=1, hidden_size=4, vocab_size=8,
+                                                  root_class="X"))}
 
 
 def test_verdict_is_one_line_naming_what_fits():

@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from portable_fsdp import checkpointing, hardware, metrics
+from portable_fsdp.backend import ModelInfo
 
 T = 1e12
 
@@ -101,7 +102,8 @@ def test_flops_per_token_leaves_the_embedding_table_out_for_the_tiny_llama():
     n_params = matmuls + V * d  # + the input embedding table
     assert n_params == 135_488
     expected = 6 * matmuls + 12 * L * d * T_
-    assert metrics.flops_per_token(n_params, L, d, T_, n_embedding_params=V * d) == expected
+    info = ModelInfo((), (), n_params=n_params, n_layers=L, hidden_size=d, vocab_size=V, n_embedding_params=V * d)
+    assert metrics.flops_per_token(info, T_) == expected
 
 
 # ---------------------------------------------------------------- RNG on resume

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from portable_fsdp import evaluation, metrics, schedule
+from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import base_config
 
 LR = 1e-3
@@ -63,16 +64,29 @@ def test_for_config_reads_train_fields():
 
 # ---------------------------------------------------------------- FLOPs
 
+def model(n_params, n_layers, hidden_size, **fields):
+    return ModelInfo((), (), n_params=n_params, n_layers=n_layers, hidden_size=hidden_size, vocab_size=1, **fields)
+
+
 def test_flops_per_token_formula():
-    assert metrics.flops_per_token(1_000_000, 4, 128, 256) == 6 * 1_000_000 + 12 * 4 * 128 * 256
-    assert metrics.flops_per_token(0, 1, 1, 1) == 12.0
-    assert isinstance(metrics.flops_per_token(1, 1, 1, 1), float)
+    assert metrics.flops_per_token(model(1_000_000, 4, 128), 256) == 6 * 1_000_000 + 12 * 4 * 128 * 256
+    assert metrics.flops_per_token(model(0, 1, 1), 1) == 12.0
+    assert isinstance(metrics.flops_per_token(model(1, 1, 1), 1), float)
 
 
 def test_flops_per_token_scales_with_sequence_only_in_attention():
-    a = metrics.flops_per_token(10_000, 2, 64, 128)
-    b = metrics.flops_per_token(10_000, 2, 64, 256)
+    a = metrics.flops_per_token(model(10_000, 2, 64), 128)
+    b = metrics.flops_per_token(model(10_000, 2, 64), 256)
     assert b - a == 12 * 2 * 64 * 128
+
+
+def test_a_mixture_of_experts_counts_the_routed_experts_a_token_runs_through():
+    # 8 experts of 100 weights, 2 per token: 600 weights idle per token; the embedding table is a lookup
+    moe = model(1000, 1, 1, n_embedding_params=50, n_routed_expert_params=800, num_experts=8, experts_per_token=2)
+    assert moe.n_active_params == 1000 - 50 - 600
+    assert metrics.flops_per_token(moe, 1) == 6 * 350 + 12
+    # a model that does not say how many experts a token uses is counted whole, as a dense one
+    assert model(1000, 1, 1, n_routed_expert_params=800, num_experts=8).n_active_params == 1000
 
 
 def test_summary_aligns_keys():

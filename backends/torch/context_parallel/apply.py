@@ -7,19 +7,19 @@ For each batch, `sequence_shard` cuts inputs, labels and position ids with the n
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 
 import numpy as np
 import torch
 
+from portable_fsdp.backends.torch.batch_layout import BatchLayout
 from portable_fsdp.backends.torch.context_parallel.attention import ShardLayout, allgather_attention, ring_attention
 from portable_fsdp.sequence_split import shard_indices
 
 PORTABLE_ATTENTION = "portable_fsdp_cp"
 TORCH_SDPA_ATTENTION = "portable_fsdp_torch_cp"
 
-_active_layout: contextvars.ContextVar = contextvars.ContextVar("portable_fsdp_cp_layout", default=None)
+_active_layout = BatchLayout()  # read by the attention, wherever autograd runs it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +88,8 @@ def sequence_shard(cp: CPGroup | None, batch, device):
     mine = shard_indices(seq_len, cp.cp_size, cp.cp_rank, cp.load_balance)
     segments = None if batch.segment_ids is None else torch.from_numpy(batch.segment_ids[:, mine]).to(device)
     layout = ShardLayout(cp.group, cp.cp_rank, cp.cp_size, cp.rotate_method, tuple(index), segments)
-    token = _active_layout.set(layout)
-    try:
+    with _active_layout.active(layout):
         yield slice_batch(batch, mine, device)
-    finally:
-        _active_layout.reset(token)
 
 
 def slice_batch(batch, mine, device):
