@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Install everything into .venv and run the default test suite (CPU only; gpu/tpu/slow markers excluded).
+# Install everything into .venv and run the default test suite (CPU only; gpu/tpu/slow/network markers excluded).
 # Extra arguments go to pytest, e.g. `bash ci/test.sh tests/unit -x`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv || exit 1
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' || exit 1
-.venv/bin/python -m pytest -m "not gpu and not tpu and not slow" "$@"
+.venv/bin/python -m pytest -m "not gpu and not tpu and not slow and not network" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
     echo "error: pytest collected no tests; that is a failure, not a pass" >&2

@@ -12,8 +12,8 @@ matters most, and its vocabulary-sized output is where float8 loses most), and o
 output features are both divisible by 16, as `torch._scaled_mm` requires. A MoE model's fused experts are not
 Linear modules and its routers are not either (transformers' own modules): they stay in plan.param_dtype.
 
-torchao is imported only when plan.float8 is set: it is an optional dependency (`pip install
-'portable_fsdp[gpu]'`), pinned to 0.14.1, the release built for torch 2.9 (newer ones fail to import there).
+torchao is imported only when plan.float8 is set: it is an optional dependency, in the release built for the
+installed torch (portable_fsdp/gpu_packages.py; `pip install 'portable_fsdp[gpu]'` pins 0.14.1, torch 2.9's).
 The casts are separate kernels unless the layer is compiled: use it with plan.compile.
 """
 from __future__ import annotations
@@ -23,17 +23,24 @@ import importlib
 import torch
 from torch import nn
 
+from portable_fsdp import gpu_packages
 from portable_fsdp.errors import UserError
 
-TORCHAO = "0.14.1"
-INSTALL = f"pip install 'torchao=={TORCHAO}' (or pip install 'portable_fsdp[gpu]')"
+INSTALL = f"pip install 'torchao=={gpu_packages.torchao_for(torch.__version__)}'"
 FLOAT8_CAPABILITY = (8, 9)  # Ada (L4) and Hopper (H100, H200) onwards have float8 tensor cores
+DIVISOR = 16  # torch._scaled_mm: both dimensions of each operand (the tokens too, in the weight's gradient)
 
 
-def check_supported(device: torch.device) -> None:
+def check_supported(device: torch.device, tokens_per_rank: int) -> None:
     """Refuse plan.float8 at start-up, with one line, where it cannot run: torchao missing or not importable
-    here, or a GPU without float8 tensor cores. (cpu, xla and flax are refused by the capability table.)"""
+    here, a GPU without float8 tensor cores, or micro-batches whose tokens per rank `torch._scaled_mm` cannot
+    take (the weight gradient's product runs over them). (cpu, xla and flax are refused by the capability table.)"""
     _torchao_float8()
+    if tokens_per_rank % DIVISOR:
+        raise UserError("plan.float8", (
+            f"each rank's micro-batch holds {tokens_per_rank} tokens, and float8 products need a multiple of "
+            f"{DIVISOR} (the weights' gradients are summed over them); choose train.batch_size, "
+            "train.grad_accum_steps and data.seq_len so that rows x tokens per rank divide by 16"))
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if tuple(capability) < FLOAT8_CAPABILITY:
@@ -63,7 +70,7 @@ def converts(model: nn.Module):
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear) and module is not output
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+                and module.in_features % DIVISOR == 0 and module.out_features % DIVISOR == 0)
 
     return keep
 

@@ -83,7 +83,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if runtime.device.type == "cpu" or plan.cpu_offload:  # a step that computes on host memory
         host_allocator.keep_freed_blocks()
     if plan.float8:  # before the model is built: torchao missing, or a GPU without float8, is one line
-        float8.check_supported(runtime.device)
+        float8.check_supported(runtime.device, _tokens_per_rank(config, plan))
     info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
     baseline_mb = resources.in_use_mb(runtime.device)
     layer_classes = plan.wrap_classes(info)
@@ -119,6 +119,13 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
                                                    schedule_for(config.train), baseline_mb))
+
+
+def _tokens_per_rank(config, plan: ShardingPlan) -> int:
+    """Tokens of one micro-batch on one rank: its rows times its share of each sequence."""
+    mesh = plan.mesh
+    rows = config.train.batch_size // (mesh.data_parallel_size * config.train.grad_accum_steps)
+    return rows * config.data.seq_len // mesh.sequence_size
 
 
 def state_device(plan: ShardingPlan, device: torch.device) -> torch.device:

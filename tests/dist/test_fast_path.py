@@ -78,9 +78,9 @@ def test_float8_without_torchao_is_one_line_naming_the_install(monkeypatch):
 
     monkeypatch.setattr(float8.importlib, "import_module", missing)
     with pytest.raises(UserError) as caught:
-        float8.check_supported(torch.device("cpu"))
+        float8.check_supported(torch.device("cpu"), 256)
     assert caught.value.line() == ("error: plan.float8: needs torchao, which is not installed: pip install "
-                                   "'torchao==0.14.1' (or pip install 'portable_fsdp[gpu]')")
+                                   "'torchao==0.14.1'")  # the release built for this torch, 2.9
 
 
 def test_float8_with_a_torchao_built_for_another_torch_names_the_pin(monkeypatch):
@@ -91,10 +91,20 @@ def test_float8_with_a_torchao_built_for_another_torch_names_the_pin(monkeypatch
 
     monkeypatch.setattr(float8.importlib, "import_module", mismatched)
     with pytest.raises(UserError) as caught:
-        float8.check_supported(torch.device("cpu"))
+        float8.check_supported(torch.device("cpu"), 256)
     line = caught.value.line()
     assert "\n" not in line and f"does not import with torch {torch.__version__}" in line
-    assert line.endswith("pip install 'torchao==0.14.1' (or pip install 'portable_fsdp[gpu]')")
+    assert line.endswith("pip install 'torchao==0.14.1'")
+
+
+def test_float8_needs_tokens_per_rank_its_products_take():
+    """The weight gradient's product runs over the micro-batch's tokens: torch._scaled_mm takes multiples of 16."""
+    from portable_fsdp.backends.torch import float8
+
+    float8.check_supported(torch.device("cpu"), 4 * 64)
+    with pytest.raises(UserError, match="each rank's micro-batch holds 200 tokens, and float8 products need a "
+                                        "multiple of 16"):
+        float8.check_supported(torch.device("cpu"), 200)
 
 
 @pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
@@ -104,10 +114,10 @@ def test_float8_on_a_gpu_without_float8_tensor_cores_is_refused_at_start_up(monk
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     if not refused:
-        float8.check_supported(torch.device("cuda", 0))
+        float8.check_supported(torch.device("cuda", 0), 256)
         return
     with pytest.raises(UserError) as caught:
-        float8.check_supported(torch.device("cuda", 0))
+        float8.check_supported(torch.device("cuda", 0), 256)
     assert caught.value.line() == (
         "error: plan.float8: needs float8 tensor cores (compute capability 8.9 or newer: L4, H100, H200, B200); "
         f"NVIDIA A100-SXM4-80GB has {capability[0]}.{capability[1]}: set plan.float8=false")
