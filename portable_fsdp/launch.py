@@ -69,9 +69,10 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: wor
 
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
-          nodes: LaunchSettings | None = None) -> dict | None:
+          nodes: LaunchSettings | None = None, job: str = "train") -> dict | None:
     """Validate, start the workers and train. `nproc`: this machine's workers; `nodes` (an Accelerate YAML's
-    launch keys): the machines they train with and where they meet, one machine when None. Returns the run's
+    launch keys): the machines they train with and where they meet, one machine when None; `job`: what the
+    workers run (worker.JOBS: "train", or "probe" — portable_fsdp.selftest's device measurements). Returns the run's
     summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
     machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
@@ -81,7 +82,7 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     with workdir_lock.Claim(lambda: owns_workdir(nodes, backend_name)) as claim:
         if backend_name != "xla":  # (xla knows its owner only once its environment is set up)
             claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
-        return _start(config, backend_name, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+        return _start(config, backend_name, workdir, nproc, nodes, functools.partial(preflight, claim=claim), job)
 
 
 def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool:
@@ -110,10 +111,11 @@ def _tpu_worker() -> int:
         return 0
 
 
-def _start(config, backend_name: str, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings, checks) -> dict | None:
+def _start(config, backend_name: str, workdir: pathlib.Path, nproc: int, nodes: LaunchSettings, checks,
+           job: str = "train") -> dict | None:
     if backend_name == "xla":
         xla_settings_onto_spmd_plan(config)  # before the workers get the config
-    spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir)}
+    spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job}
     if backend_name == "flax":
         return _start_jax(config, spec, workdir, nproc, nodes, checks)
     if backend_name == "xla":  # torch_xla: one process per host (SPMD) or its own launcher (FSDP v1)

@@ -9,9 +9,20 @@ from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.validate import resolve_plan
 
 
+def _probe(config, plan, backend, backend_name: str, workdir) -> dict:
+    from portable_fsdp.selftest import probe
+
+    return probe.run(config, plan, backend, backend_name, workdir)
+
+
+# What a worker runs: training (the loop), or the self-test's measurements of the devices.
+JOBS = {"train": loop.run, "probe": _probe}
+
+
 def main(spec: dict) -> dict:
-    """`spec` = {"config": the config as a plain dict, "backend": "cpu" | "cuda" | ..., "workdir": path}.
-    Returns the run's summary; the product's errors end the process with one line and their exit status.
+    """`spec` = {"config": the config as a plain dict, "backend": "cpu" | "cuda" | ..., "workdir": path, "job": a
+    key of JOBS (default "train")}. Returns the job's summary; the product's errors end the process with one line
+    and their exit status.
 
     Under an elastic agent (our launcher or torchrun, which set TORCHELASTIC_ERROR_FILE) torch's `record`
     writes any other exception to that file, which the agent reads to name the failed rank and its error.
@@ -29,7 +40,8 @@ def _main(spec: dict) -> dict:
     config = config_lib.from_dict(spec["config"])
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
-        return loop.run(config, plan, backends.load(spec["backend"]), spec["backend"], spec["workdir"])
+        job = JOBS[spec.get("job", "train")]
+        return job(config, plan, backends.load(spec["backend"]), spec["backend"], spec["workdir"])
     except UserError as err:
         print(f"{err.line()} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)

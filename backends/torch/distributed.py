@@ -56,8 +56,9 @@ def device_index(local_rank: int, local_ranks: int, visible: int) -> int:
     --gpus-per-task, a Kubernetes pod per GPU: CUDA_VISIBLE_DEVICES names another GPU per process, and
     LOCAL_RANK is no device index there)."""
     if visible == 0:
-        raise UserError("--backend", f"cuda: local rank {local_rank} sees no GPU (CUDA_VISIBLE_DEVICES="
-                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give every rank a GPU or use --backend cpu")
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise UserError("--backend", f"cuda: local rank {local_rank} sees no GPU (CUDA_VISIBLE_DEVICES={shown}); "
+                        "give every rank a GPU or use --backend cpu")
     if local_rank < visible and visible >= local_ranks:
         return local_rank
     if visible == 1:

@@ -266,17 +266,19 @@ def time_all_reduce(state: TrainState, size: int) -> float:
         rt.sync()
         xm.wait_device_ops()
         start = time.perf_counter()
-        operand.sum(dim=0)
+        summed = operand.sum(dim=0)
     else:
         operand = torch.ones(size // 4, device=runtime.device)
         rt.sync()
         xm.wait_device_ops()
         rt.barrier(runtime)
         start = time.perf_counter()
-        xm.all_reduce(xm.REDUCE_SUM, operand)
-    rt.sync()
+        summed = xm.all_reduce(xm.REDUCE_SUM, operand)
+    rt.sync()  # runs the graph of what is still referenced: `summed` must be alive here
     xm.wait_device_ops()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    del summed
+    return seconds
 
 
 def model_info(state: TrainState) -> ModelInfo:
