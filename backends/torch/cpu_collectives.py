@@ -31,6 +31,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from portable_fsdp.backends.torch import distributed
+
 SHM_DIR = "/dev/shm"
 TOKEN_BYTES = 16
 # Per buffer (a rank maps two). A larger one saves barriers (~0.2 ms each) on units above it, and costs
@@ -55,7 +57,8 @@ class AllToAllReduceScatter(_HostComm):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         if not _sum_or_avg(op):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return distributed.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                                      async_op=async_op)
         world = group.size()
         received = torch.empty_like(input_tensor)  # chunk i of every rank, in rank order, lands on rank i
         dist.all_to_all_single(received, input_tensor, group=group)
@@ -178,7 +181,7 @@ class SharedMemoryAllGather(_HostComm):
             output[:, start:start + count].copy_(slots)
             done = start + count
         if done < shard:  # shared memory unusable
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            return distributed.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         return None  # done: FSDP2 takes None as a finished collective, async_op or not
 
 

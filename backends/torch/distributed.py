@@ -15,6 +15,12 @@ from portable_fsdp import host_cores
 from portable_fsdp.errors import UserError
 
 
+# The single-tensor collectives under the names this torch has: newer releases renamed them and warn at every call of
+# the old names (all_gather_into_tensor, reduce_scatter_tensor).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     backend: str  # "cpu" | "cuda"

@@ -105,9 +105,9 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
         model_lib.enable_gradient_checkpointing(model)
+    experts.set_implementation(model, experts.choose(runtime.device.type))
     logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, runtime.device.type,
                                  tensor_parallel_plan(plan, info))
-    experts.set_implementation(model, experts.choose(runtime.device.type))
     if not logits_sharded:  # a vocabulary-split lm_head keeps its loss_parallel loss (V / tp per rank)
         chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), runtime.device.type)
     parameters_on = state_device(plan, runtime.device)

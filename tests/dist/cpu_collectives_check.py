@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from portable_fsdp.backends.torch import cpu_collectives
+from portable_fsdp.backends.torch import cpu_collectives, distributed
 from portable_fsdp.backends.torch.cpu_collectives import (SHM_DIR, AllToAllReduceScatter, SharedBuffers,
                                                           SharedMemoryAllGather, SharedMemoryReduceScatter)
 
@@ -35,12 +35,13 @@ def compare(group, rank, world, prefix: str, results: dict, buffer_bytes: int) -
         output.narrow(0, rank * chunk, chunk).copy_(shard)  # FSDP2's copy-in
         gather(output, output.narrow(0, rank * chunk, chunk), group)
         expected = torch.empty(world * chunk)
-        dist.all_gather_into_tensor(expected, shard)
+        distributed.all_gather_single(expected, shard)
         results[f"{prefix}all_gather/{round_}"] = worst(output - expected)
         for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
             expected = torch.empty(chunk)
             # gloo has no AVG reduce-scatter: compare with the sum, divided
-            dist.reduce_scatter_tensor(expected, full.clone(), op=dist.ReduceOp.SUM if op_name == "avg" else op)
+            distributed.reduce_scatter_single(expected, full.clone(),
+                                              op=dist.ReduceOp.SUM if op_name == "avg" else op)
             if op_name == "avg":
                 expected /= world
             for name, comm in reduce_scatters.items():

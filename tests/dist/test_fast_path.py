@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from portable_fsdp import gpu_packages
 from portable_fsdp.errors import UserError
 from tests.dist.launch import torchrun
 from tests.parity.matrix import make_config
@@ -79,8 +80,9 @@ def test_float8_without_torchao_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setattr(float8.importlib, "import_module", missing)
     with pytest.raises(UserError) as caught:
         float8.check_supported(torch.device("cpu"), 256)
+    release = gpu_packages.torchao_for(torch.__version__)  # the one built for this torch (0.14.1 for 2.9)
     assert caught.value.line() == ("error: plan.float8: needs torchao, which is not installed: pip install "
-                                   "'torchao==0.14.1'")  # the release built for this torch, 2.9
+                                   f"'torchao=={release}'")
 
 
 def test_float8_with_a_torchao_built_for_another_torch_names_the_pin(monkeypatch):
@@ -94,7 +96,7 @@ def test_float8_with_a_torchao_built_for_another_torch_names_the_pin(monkeypatch
         float8.check_supported(torch.device("cpu"), 256)
     line = caught.value.line()
     assert "\n" not in line and f"does not import with torch {torch.__version__}" in line
-    assert line.endswith("pip install 'torchao==0.14.1'")
+    assert line.endswith(f"pip install 'torchao=={gpu_packages.torchao_for(torch.__version__)}'")
 
 
 def test_float8_needs_tokens_per_rank_its_products_take():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from portable_fsdp.backends.torch import distributed
+
 
 class _GatherSequence(torch.autograd.Function):
     """Forward: all-gather along the sequence dim (dim 2 of [b, h, L, d]) in group-rank order.
@@ -16,7 +18,7 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(group)
         local = x.movedim(2, 0).contiguous()
         out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, local, group=group)
+        distributed.all_gather_single(out, local, group=group)
         return out.movedim(0, 2)
 
     @staticmethod
@@ -24,7 +26,7 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         full = grad.movedim(2, 0).contiguous()
         out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
+        distributed.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.movedim(0, 2), None
 
 
@@ -37,7 +39,7 @@ def gather_sequence_no_grad(x: torch.Tensor, group, dim: int = 1) -> torch.Tenso
     world = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    distributed.all_gather_single(out, local, group=group)
     return out.movedim(0, dim)
 
 
