@@ -41,8 +41,11 @@ def checked_device(device: str, tpu_attached: bool, asked: str) -> str:
 def spmd_device_count(device: str, cpu_devices: int) -> int:
     """Devices one SPMD program spans: every device of the slice, counted without starting the runtime (the
     start-up checks that follow may fork, which a started TPU runtime does not survive)."""
-    if device == "CPU":
-        return cpu_devices
+    return cpu_devices if device == "CPU" else _expected_tpu_devices()
+
+
+def _expected_tpu_devices() -> int:
+    """The slice's devices from its chips and workers (torch_xla reads PCI and the VM's metadata)."""
     from torch_xla._internal import tpu
 
     return tpu.num_expected_global_devices()

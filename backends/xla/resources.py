@@ -25,9 +25,19 @@ def device_kind(spmd: bool, device_type: str) -> str:
     if spmd:
         kind = tpu_vm.accelerator_type() if device_type == "TPU" else ""
         return f"TPU {kind}" if kind else device_type
+    return _pjrt_device_kind()
+
+
+def _pjrt_device_kind() -> str:
     import torch_xla.core.xla_model as xm
 
     return xm.xla_device_kind()
+
+
+def _memory_info(device) -> dict:
+    import torch_xla.core.xla_model as xm
+
+    return xm.get_memory_info(device)
 
 
 def memory_mb(spmd: bool, device_type: str, devices: int, device=None) -> list:
@@ -37,9 +47,7 @@ def memory_mb(spmd: bool, device_type: str, devices: int, device=None) -> list:
         now, peak = host_memory.resident_mb(), host_memory.peak_resident_mb()
         return [{"mem_mb": now, "peak_mem_mb": peak, "reserved_mb": now, "peak_reserved_mb": peak}] * devices
     if not spmd:
-        import torch_xla.core.xla_model as xm
-
-        info = xm.get_memory_info(device)
+        info = _memory_info(device)
         used, peak = int(info["bytes_used"]) / MiB, int(info["peak_bytes_used"]) / MiB
         return [{"mem_mb": used, "peak_mem_mb": peak, "reserved_mb": used, "peak_reserved_mb": peak}]
     return hbm_rows(_libtpu_hbm_usage(), devices)
