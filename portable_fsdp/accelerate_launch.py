@@ -11,6 +11,7 @@ import dataclasses
 import pathlib
 import warnings
 
+from portable_fsdp import backends
 from portable_fsdp.errors import UserError
 
 # Read by hf_import.apply_accelerate_yaml.
@@ -104,14 +105,19 @@ def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = N
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         raise UserError(f"{path}: main_process_port", f"must be a port number (got {port!r})")
     if machines > 1:
-        _check_multi_node(backend, machines, ip, rdzv, path)
+        if not ip:
+            raise UserError(f"{path}: main_process_ip", (
+                f"num_machines: {machines} needs main_process_ip, the address of the machine with machine_rank 0"))
         port = port or 29500  # Accelerate's and torchrun's default
     elif ip is not None:
         _warn(path, "main_process_ip", "with num_machines: 1 the workers meet on 127.0.0.1")
     if machines > 1 and rdzv == "c10d" and rank:
         _warn(path, "machine_rank", "with rdzv_backend c10d the rendezvous assigns node ranks (write static to keep it)")
-    return LaunchSettings(backend=backend, nproc=nproc, num_machines=machines, machine_rank=rank,
-                          main_process_ip=ip, main_process_port=port, rdzv_backend=rdzv)
+    settings = LaunchSettings(backend=backend, nproc=nproc, num_machines=machines, machine_rank=rank,
+                              main_process_ip=ip, main_process_port=port, rdzv_backend=rdzv)
+    if settings.multi_node and backend != "auto":  # (auto: once the backend is known, by the command)
+        backends.load(backend).check_machines(settings, path)
+    return settings
 
 
 def _check_environment(data: dict, path: str) -> None:
@@ -139,24 +145,6 @@ def _backend(data: dict, path: str, backend: str) -> str:
             _warn(path, key, f"--backend {backend} on the command line wins")
         return backend
     return wanted or "auto"
-
-
-def refuse_multi_node_xla(path: str, machines: int) -> None:
-    """The xla backend's launcher starts one host (also when --backend auto resolves to xla only later)."""
-    raise UserError(f"{path}: num_machines", (
-        f"= {machines}: the xla backend's launcher starts one host; set num_machines: 1"))
-
-
-def _check_multi_node(backend: str, machines: int, ip, rdzv: str, path: str) -> None:
-    if backend == "xla":
-        refuse_multi_node_xla(path, machines)
-    if not ip:
-        raise UserError(f"{path}: main_process_ip", (
-            f"num_machines: {machines} needs main_process_ip, the address of the machine with machine_rank 0"))
-    if backend == "flax" and rdzv != "static":
-        raise UserError(f"{path}: rdzv_backend", (
-            f"{rdzv}: --backend flax joins jax.distributed with machine_rank as the process id, which {rdzv} does not "
-            "keep; write rdzv_backend: static"))
 
 
 def _warn_ignored(data: dict, path: str) -> None:

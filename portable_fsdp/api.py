@@ -26,7 +26,6 @@ from portable_fsdp.config import apply_override, command_line_text, load_recipe
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
 from portable_fsdp.evaluation import evaluate
-from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.validate import check_backend, resolve_plan
 
@@ -60,37 +59,24 @@ def plan_for(config, world_size: int | None = None, backend: str | None = None) 
     UserError naming the fix, one it ignores a warning (portable_fsdp/capabilities.py); for xla, the
     xla_fsdp_settings that mean a plan field under SPMD FSDPv2 move onto `config`'s plan, as the command does."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if backend == "xla":
-        xla_settings_onto_spmd_plan(config)
+    if backend is not None:
+        backends.load(backend).prepare_config(config)
     plan = resolve_plan(config, world)
     if backend is not None:
-        model = backends.load(backend).describe_model(config)  # the model's family: some rules read it
-        check_backend(config, plan, backend, device_type(backend), world, model)
+        module = backends.load(backend)
+        model = module.describe_model(config)  # the model's family: some rules read it
+        check_backend(config, plan, backend, module.device_type(backend), world, model)
     return plan
 
 
-def device_type(backend: str) -> str:
-    """The device type a backend will run on in this process (xla: the PJRT device; flax: the JAX platform)."""
-    if backend == "xla":
-        from portable_fsdp.backends.xla.environment import device_type
-
-        return device_type()
-    if backend == "flax":
-        from portable_fsdp.backends.flax.devices import platform
-
-        return platform()
-    return backend
-
-
-def load_backend(name: str = "cpu"):
+def load_backend(name: str = backends.DEFAULT):
     """The backend module for `name` (cpu, cuda, xla, flax). Outside torchrun this process becomes rank 0 of 1:
     the environment torch's process group reads is set where unset, so `backend.init` needs no launcher."""
-    if name not in backends.BACKENDS:
-        raise UserError("backend", f"unknown backend {name!r}; choose from {', '.join(backends.BACKENDS)}")
+    backends.check_name(name, "backend")
     if "WORLD_SIZE" not in os.environ:
-        from portable_fsdp.launch import _rendezvous_port
+        from portable_fsdp.launch import rendezvous_port
 
-        os.environ.update({**_SINGLE_PROCESS, "MASTER_PORT": str(_rendezvous_port())})
+        os.environ.update({**_SINGLE_PROCESS, "MASTER_PORT": str(rendezvous_port())})
     return backends.load(name)
 
 
@@ -133,17 +119,16 @@ def load(backend, state, path, config, backend_name: str | None = None):
     return loop._resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
 
 
-def train(config, backend: str = "cpu", workdir=None, nproc: int | None = 1) -> dict | None:
+def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1) -> dict | None:
     """Train as `python -m portable_fsdp.run` does, with `nproc` local processes (1: in this one; None: the
     command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
     defaults to runs/train-<time>. Raises UserError on a bad setting, RunFailed when the run fails after it
     started."""
     from portable_fsdp import launch
-    from portable_fsdp.run import default_nproc, default_workdir, resolve_backend
+    from portable_fsdp.run import default_workdir
 
-    name = resolve_backend(backend, config)
-    backends.load(name)
-    nproc = default_nproc(name) if nproc is None else nproc
+    name = backends.resolve(backend, config)
+    nproc = backends.load(name).default_nproc(name) if nproc is None else nproc
     if nproc < 1:
         raise UserError("nproc", f"must be at least 1 (got {nproc})")
     workdir = pathlib.Path(workdir) if workdir else default_workdir("train")

@@ -19,6 +19,11 @@ The same holds for `load_checkpoint`. `eval_step`, `predict_step`, `count_label_
 Collectives: every function that takes a state may be a collective; every rank calls it, in the same
 order. `placement`, `model_info`, `device_kind` and `finalize` never communicate; `time_all_reduce` does (every rank
 calls it, with the same size).
+
+Before the loop, the command asks the backend what only it knows — which device it runs on, how many processes
+by default, how its processes start, how its memory is estimated, how its SHARDED checkpoints convert — through
+the functions under "Before any worker starts" below: they take no state and start no runtime, so the core never
+branches on a backend's name and a new backend is a new folder.
 """
 from __future__ import annotations
 
@@ -111,6 +116,58 @@ class TrainState(Protocol):
 
 class Backend(Protocol):
     """The functions a backend module provides (signatures as the core calls them)."""
+
+    # ---- before any worker starts: the command line, the launcher, the estimator (no state, no runtime)
+
+    def device_type(self, backend: str) -> str:
+        """The device type a run of `backend` (the name the user chose) lands on from this process, as the
+        capability table names it ("cpu", "cuda"; torch_xla's "TPU"/"CPU"; JAX's platform). May import the
+        framework (after `start_workers` has set its environment) but starts no runtime."""
+
+    def default_nproc(self, backend: str) -> int:
+        """--nproc when the user gives none: what this machine's devices suggest."""
+
+    def prepare_config(self, config) -> None:
+        """Move settings the backend reads under another name onto `config`'s plan, before the workers get it
+        (xla: the xla_fsdp_settings that mean a plan field under SPMD FSDPv2)."""
+
+    def start_workers(self, config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
+        """Start this machine's workers and return the run's summary (rank 0's; None where another process
+        returns it): `spec` is what `portable_fsdp.worker.main` runs, `nodes` the machines of the run
+        (`accelerate_launch.LaunchSettings`), `checks(config, backend_name, world_size, workdir, device=None)`
+        the launcher's start-up checks, to call once the world size is known and before any worker starts. A
+        failed run prints its `error:` line and raises SystemExit with its exit status."""
+
+    def check_machines(self, nodes, path: str) -> None:
+        """Refuse, naming the key of the Accelerate file at `path`, a run on several machines (`nodes.multi_node`)
+        that this backend cannot start."""
+
+    def owns_workdir(self, nodes) -> bool | None:
+        """Whether this process holds the run's workdir lock (machine 0's launcher, a TPU slice's worker 0, rank
+        0 under torchrun); None while it cannot tell yet (before `start_workers` set its environment up)."""
+
+    def sharded_format(self) -> str:
+        """The format of this backend's SHARDED_STATE_DICT checkpoints: backends with the same format resume
+        each other's (`portable_fsdp.checkpointing.check_compatible`)."""
+
+    def convert_sharded(self, source: pathlib.Path, target: pathlib.Path) -> None:
+        """Write a SHARDED_STATE_DICT checkpoint this backend saved as a FULL one (`python -m
+        portable_fsdp.convert`), offline in one process, or raise UserError saying what to do instead."""
+
+    def estimate_devices(self, backend: str) -> tuple:
+        """The device kinds `backend` trains on, in the capability table's words ("cpu", "cuda", "gpu", "tpu"),
+        the one `python -m portable_fsdp.estimate --device auto` assumes first."""
+
+    def estimator_environment(self, nproc: int) -> dict:
+        """The environment variables of the process this backend's `estimate_memory` runs in, for a world of `nproc`
+        (backends asking for the same share one process)."""
+
+    def estimate_memory(self, request: dict) -> dict:
+        """The memory estimate, in the estimating process: `request` holds the config (a dict), the world size,
+        the ranks to trace and the device kind; the reply holds per-rank peaks (`portable_fsdp.estimate`), the
+        model's `ModelInfo` fields and `method`, one line saying how the figures were obtained."""
+
+    # ---- the run
 
     def describe_model(self, config) -> ModelInfo:
         """The model's shape and classes, without materialising weights: start-up checks run on it."""

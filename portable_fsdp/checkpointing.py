@@ -22,7 +22,7 @@ Inside a checkpoint, the same on every backend:
 <workdir>/export/ (train.export_full_at_end, SHARDED runs): a FULL checkpoint's weights, configs and tokenizer
 without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its manifest.json.
 A FULL checkpoint resumes on every backend at any world size; a SHARDED one on the backends that read the
-format it was written in (`SHARDED_FORMATS`).
+format it was written in (`Backend.sharded_format`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 
-from portable_fsdp import checksums, faults, safetensors_shards
+from portable_fsdp import backends, checksums, faults, safetensors_shards
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -44,9 +44,6 @@ REPORTS = ".reports"
 IO_BYTES_PER_S = 100e6
 OPTIMIZER = "optimizer.pt"
 SHARDED = "sharded"
-# --backend -> the format of its SHARDED_STATE_DICT files: a sharded checkpoint resumes where the format is read.
-SHARDED_FORMATS = {"cpu": "torch.distributed.checkpoint", "cuda": "torch.distributed.checkpoint",
-                   "xla": "torch_xla shard files", "flax": "orbax"}
 
 
 def rng_file(checkpoint: pathlib.Path, rank: int) -> pathlib.Path:
@@ -385,12 +382,17 @@ def check_compatible(manifest: dict, config, backend_name: str) -> None:
         raise UserError("train.resume", (f"the checkpoint was written for another model ({'; '.join(differing)}); "
                                          "use the model config it was trained with, or a new --workdir"))
     written_by = manifest.get("backend")
-    if (manifest.get("state_dict_type") == "SHARDED_STATE_DICT"
-            and SHARDED_FORMATS.get(written_by) != SHARDED_FORMATS.get(backend_name)):
+    if manifest.get("state_dict_type") == "SHARDED_STATE_DICT" and _sharded_format(written_by) != _sharded_format(
+            backend_name):
         raise UserError("train.resume", (
             f"the checkpoint is a SHARDED_STATE_DICT of --backend {written_by}, which --backend {backend_name} "
             f"cannot read; resume it with --backend {written_by}, or save with plan.state_dict_type="
             "FULL_STATE_DICT, which every backend loads"))
+
+
+def _sharded_format(backend_name) -> str | None:
+    """What a backend's SHARDED files are (`Backend.sharded_format`); None for a name no backend has."""
+    return backends.load(backend_name).sharded_format() if backend_name in backends.BACKENDS else None
 
 
 def restores_rng(manifest: dict, backend_name: str, world_size: int) -> bool:

@@ -24,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 
-from portable_fsdp import hardware, tpu_vm
+from portable_fsdp import backends, hardware, tpu_vm
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, from_dict, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.metrics import flops_per_token
 from portable_fsdp.validate import resolve_plan
 
-BACKENDS = ("cpu", "cuda", "xla", "flax")
 HEADROOM = 0.10  # of each device's memory, left for what is not modelled (allocator, CUDA context, NCCL buffers)
 ESTIMATE_FAILED = 3
 ROWS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
@@ -65,9 +64,7 @@ class Target:
         """What the capability table calls the device (cpu, cuda, tpu, gpu)."""
         if self.device == "cpu":
             return "cpu"
-        if self.label.startswith("TPU"):
-            return "tpu"
-        return "cuda" if self.backend in ("cuda", "cpu") else "gpu"
+        return trained_as(self.backend, self.label) or device_kind(self.label)
 
     def with_nproc(self, nproc: int) -> "Target":
         if self.device == "cpu":  # ranks of one host share its memory
@@ -85,12 +82,26 @@ def tpu_from_environment() -> str | None:
     return None
 
 
+def device_kind(label: str) -> str:
+    """A datasheet device's kind: "tpu" or "gpu"."""
+    return "tpu" if label.startswith("TPU") else "gpu"
+
+
+def trained_as(backend: str, label: str) -> str | None:
+    """The device kind `backend` trains the device `label` as (`Backend.estimate_devices`: a GPU is "cuda" to
+    the torch lowering, "gpu" to JAX), or None when it does not train on it."""
+    kinds = backends.load(backend).estimate_devices(backend)
+    kind = device_kind(label)
+    return next((k for k in kinds if k == kind or (kind == "gpu" and k == "cuda")), None)
+
+
 def resolve_target(backend: str, device: str, nproc: int | None) -> Target:
-    """`device`: a DEVICE_MEMORY key, "cpu" for host memory, or "auto" (the visible GPU on cuda, the TPU that
-    TPU_ACCELERATOR_TYPE names on xla, host memory on cpu and flax)."""
+    """`device`: a DEVICE_MEMORY key, "cpu" for host memory, or "auto" (the backend's first device kind: the
+    visible GPU on cuda, the TPU that TPU_ACCELERATOR_TYPE names on xla, host memory on cpu and flax)."""
     device = device.lower()
     if device == "auto":
-        device = {"cuda": "detected", "xla": tpu_from_environment() or "unknown"}.get(backend, "cpu")
+        first = backends.load(backend).estimate_devices(backend)[0]
+        device = {"cuda": "detected", "tpu": tpu_from_environment() or "unknown"}.get(first, "cpu")
         if device == "unknown":
             raise UserError("--device", "cannot tell which TPU this run trains on (TPU_ACCELERATOR_TYPE is not set); "
                             f"name it: --device {{{','.join(k for k in hardware.DEVICE_MEMORY if k[0] == 'v')}}}")
@@ -106,13 +117,14 @@ def resolve_target(backend: str, device: str, nproc: int | None) -> Target:
         raise UserError("--device", f"unknown device {device!r}; choose one of "
                         f"{', '.join([*hardware.DEVICE_MEMORY, 'cpu'])}")
     label, memory = hardware.DEVICE_MEMORY[device]
-    if backend == "cpu":
-        raise UserError("--device", f"--backend cpu trains in host memory (--device cpu); for {device} use "
-                        f"--backend {'xla' if label.startswith('TPU') else 'cuda'}")
-    if backend == "cuda" and label.startswith("TPU"):
-        raise UserError("--device", f"{device} is a TPU; estimate it with --backend xla or --backend flax")
-    if backend == "xla" and not label.startswith("TPU"):
-        raise UserError("--device", f"{device} is a GPU; --backend xla trains on TPUs (or the CPU): use --backend cuda")
+    if trained_as(backend, label) is None:
+        kinds = backends.load(backend).estimate_devices(backend)
+        others = " or ".join(f"--backend {b}" for b in backends.BACKENDS if trained_as(b, label))
+        if kinds == ("cpu",):
+            raise UserError("--device", f"--backend {backend} trains in host memory (--device cpu); for {device} use "
+                            f"{others}")
+        raise UserError("--device", f"{device} is a {device_kind(label).upper()}; --backend {backend} trains on "
+                        f"{' or '.join(kinds)} devices: estimate it with {others}")
     return Target(backend, nproc, device, label, memory)
 
 
@@ -147,9 +159,10 @@ class Estimator:
 
     def estimate(self, config, target: Target, ranks: list) -> dict:
         """The backend's estimate for `config` on `target` (UserError when the plan does not lower there)."""
-        key = ("flax", target.nproc) if target.backend == "flax" else ("torch",)
+        environment = backends.load(target.backend).estimator_environment(target.nproc)
+        key = tuple(sorted(environment.items()))  # backends asking for the same environment share a process
         if key not in self._workers:
-            self._workers[key] = self._start(target)
+            self._workers[key] = self._start(environment)
         process, log = self._workers[key]
         request = {"backend": target.backend, "config": config.to_dict(), "world": target.nproc, "ranks": ranks,
                    "device": target.device_type, "host_is_device": target.device == "cpu"}
@@ -172,13 +185,9 @@ class Estimator:
         return reply["result"]
 
     @staticmethod
-    def _start(target: Target):
+    def _start(environment: dict):
         env = {**os.environ, "USE_TORCH_XLA": "0", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-               "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
-        if target.backend == "flax":  # N host devices stand in for the N accelerators
-            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
-                [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-                + [f"--xla_force_host_platform_device_count={target.nproc}"]))
+               "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1", **environment}
         log = tempfile.TemporaryFile(mode="w+")
         process = subprocess.Popen([sys.executable, "-c", "from portable_fsdp.estimate import serve; serve()"],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
@@ -212,24 +221,17 @@ def serve() -> None:
 def _estimate_here(request: dict) -> dict:
     import warnings
 
-    from portable_fsdp import backends
     from portable_fsdp.validate import check_backend
 
     backend, world = request["backend"], request["world"]
     config = from_dict(request["config"])
     plan = resolve_plan(config, world)
-    info = backends.load(backend).describe_model(config)
+    module = backends.load(backend)
+    info = module.describe_model(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the run itself prints them; here only refusals count
         check_backend(config, plan, backend, request["device"], world, info)
-    if backend == "flax":
-        from portable_fsdp.backends.flax.estimate import estimate
-        return estimate(request["config"], world)
-    if backend == "xla":
-        from portable_fsdp.backends.xla.estimate import estimate
-        return estimate(request["config"], world, request["ranks"])
-    from portable_fsdp.backends.torch.estimate import estimate
-    return estimate(request["config"], world, request["ranks"], backend, request["host_is_device"])
+    return module.estimate_memory(request)
 
 
 # -------------------------------------------------------------------------------------------- the verdict
@@ -285,7 +287,7 @@ def alternative_groups(config, target: Target) -> list:
     if not p.activation_checkpointing:
         groups.append([Alternative("--config.plan.activation_checkpointing=true", target.nproc,
                                    (("plan.activation_checkpointing", "true"),))])
-    if not p.cpu_offload and target.backend in ("cpu", "cuda") and target.device != "cpu":  # host memory: no gain
+    if not p.cpu_offload and target.device != "cpu":  # host memory: no gain (a backend refusing it is skipped)
         groups.append([Alternative("--config.plan.cpu_offload=true", target.nproc, (("plan.cpu_offload", "true"),))])
     accumulation = [t.grad_accum_steps * 2**k for k in range(1, 8)]
     groups.append([Alternative(f"--config.train.grad_accum_steps={a}", target.nproc,
@@ -309,11 +311,11 @@ def one_sequence_per_micro_batch(config, nproc: int) -> tuple:
 
 def combined_alternatives(config, target: Target) -> list:
     """Tried when no single change fits: activation checkpointing with one sequence per micro-batch, then with
-    CPU offload too (cpu/cuda), then with more ranks."""
+    CPU offload too (where the backend offloads), then with more ranks."""
     checkpointing = () if config.plan.activation_checkpointing else (("plan.activation_checkpointing", "true"),)
     settings = checkpointing + one_sequence_per_micro_batch(config, target.nproc)
     combos = [settings] if settings else []
-    if target.backend in ("cpu", "cuda") and target.device != "cpu" and not config.plan.cpu_offload:
+    if target.device != "cpu" and not config.plan.cpu_offload:
         combos.append((*settings, ("plan.cpu_offload", "true")))
     tried = [Alternative(words(c), target.nproc, c) for c in combos]
     for k in (2, 4, 8):
@@ -443,15 +445,6 @@ def table(rank: dict, unit: int, unit_name: str, usable: float, offloaded: bool)
     return lines
 
 
-METHOD = {
-    "cpu": "torch FSDP2 lowering traced over a fake process group (FakeTensorMode, FSDPMemTracker), one step",
-    "cuda": "torch FSDP2 lowering traced over a fake process group (FakeTensorMode, FSDPMemTracker), one step",
-    "xla": "analytical: torch_xla's float32 state from its SPMD partition specs; activations traced from the same "
-           "model under torch FSDP2 (torch_xla is not compiled)",
-    "flax": "the jitted training step compiled for abstract inputs on host CPU devices (XLA's memory analysis)",
-}
-
-
 def step_line(report: Report, mfu: float) -> str:
     config, target = report.config, report.target
     plan = resolve_plan(config, target.nproc)
@@ -485,7 +478,7 @@ def render(report: Report, mfu: float, recipe: str) -> str:
              f"micro-batch {first['micro_batch_rows']} x {config.data.seq_len} tokens per rank{split}, "
              f"{config.train.grad_accum_steps} micro-batch(es) per step; compute {plan.mixed_precision.param_dtype}, float32 master "
              "weights",
-             f"method: {METHOD[target.backend]}"]
+             f"method: {result['method']}"]
     unit, unit_name = (2**30, "GiB") if report.peak >= 2**30 else (2**20, "MiB")
     every_device = result.get("same_on_every_device", False)
     for numbers, rank in rank_groups(result["ranks"]):
@@ -518,8 +511,8 @@ def check_fit(config, backend: str, world_size: int, device: str, local_ranks: i
     """train.check_fit at start-up: a UserError naming settings that fit when the run's peak per rank exceeds its
     device's usable memory. `device`: the device type the run uses (cuda, cpu, TPU, ...)."""
     device = device.lower()
-    if backend == "cuda":
-        name = "auto"
+    if device == "cuda":
+        name = "auto"  # the visible GPU
     elif device == "tpu":
         name = tpu_from_environment() or ""
         if not name:
@@ -554,7 +547,7 @@ def parse_args(argv):
     parser = Parser(prog="python -m portable_fsdp.estimate", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help=f"recipe file[:variant] (default: the bundled {DEFAULT_RECIPE})")
-    parser.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+    parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
                         help="auto: xla for a TPU --device (or plan.xla), cuda for a GPU, else cpu")
     parser.add_argument("--device", default="auto",
                         help=f"{', '.join(hardware.DEVICE_MEMORY)} or cpu (host memory); auto: the visible GPU "
@@ -577,28 +570,15 @@ def parse_args(argv):
     return args, config_overrides(rest)
 
 
-def choose_backend(name: str, device: str, config) -> str:
-    if name != "auto":
-        return name
-    device = device.lower()
-    if config.plan.xla or device.startswith("v") and device in hardware.DEVICE_MEMORY:
-        return "xla"
-    if device in hardware.DEVICE_MEMORY:
-        return "cuda"
-    return "cpu"
-
-
 def main(argv=None) -> int:
     try:
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         config = load_recipe(args.config)
         for key, value in overrides:
             apply_override(config, key, value)
-        backend = choose_backend(args.backend, args.device, config)
-        if backend == "xla":
-            from portable_fsdp.hf_import import xla_settings_onto_spmd_plan
-
-            xla_settings_onto_spmd_plan(config)
+        named = hardware.DEVICE_MEMORY.get(args.device.lower())
+        backend = backends.for_device(args.backend, named[0] if named else None, config)
+        backends.load(backend).prepare_config(config)
         target = dataclasses.replace(resolve_target(backend, args.device, args.nproc), headroom=args.headroom)
         recipe = args.config or DEFAULT_RECIPE
         with Estimator() as estimator:

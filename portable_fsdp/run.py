@@ -11,7 +11,7 @@ import pathlib
 import sys
 import warnings
 
-from portable_fsdp import accelerate_launch, backends, tpu_vm
+from portable_fsdp import accelerate_launch, backends
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option
@@ -58,34 +58,6 @@ def default_workdir(name: str) -> pathlib.Path:
     return pathlib.Path(f"runs/{name}-{stamp}")
 
 
-def resolve_backend(name: str, config=None) -> str:
-    """`auto`: xla on a TPU VM or when the config asks for torch_xla (Hugging Face's `xla: true`), else cuda when
-    a GPU is visible, else cpu."""
-    if name == "auto" and ((config is not None and config.plan.xla) or tpu_vm.tpu_visible()):
-        return "xla"
-    if name in ("auto", "cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            return "cuda"
-        if name == "cuda":
-            raise UserError("--backend", "cuda was asked for but no GPU is visible; use --backend cpu")
-        return "cpu"
-    return name
-
-
-def default_nproc(backend: str) -> int:
-    if backend == "cuda":
-        import torch
-
-        return torch.cuda.device_count()
-    if backend == "flax":  # every device of the host's accelerator, else 2 CPU devices
-        from portable_fsdp.backends.flax.devices import default_count
-
-        return default_count()
-    return 2
-
-
 _python_format = warnings.formatwarning
 
 
@@ -112,11 +84,10 @@ def main(argv=None) -> int:
 
         warnings.formatwarning = format_warning
         nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
-        backend = resolve_backend(nodes.backend, config)
-        if nodes.multi_node and backend == "xla":  # auto may resolve to xla only now (xla: true, a TPU)
-            accelerate_launch.refuse_multi_node_xla(args.fsdp_config, nodes.num_machines)
-        backends.load(backend)
-        nproc = nodes.nproc if nodes.nproc is not None else default_nproc(backend)
+        backend = backends.resolve(nodes.backend, config)
+        if nodes.multi_node and nodes.backend == "auto":  # auto may resolve to xla only now (xla: true, a TPU)
+            backends.load(backend).check_machines(nodes, args.fsdp_config)
+        nproc = nodes.nproc if nodes.nproc is not None else backends.load(backend).default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
         if nodes.multi_node and not args.workdir:
             raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "

@@ -7,7 +7,8 @@ host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
 Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx),
 convert (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
 programs (the jitted update, eval and predict), step (init / train_step / ...), checkpoint, devices,
-resources (memory and matmul rate for the metrics), processes (one JAX process per machine: what changes).
+resources (memory and matmul rate for the metrics), processes (one JAX process per machine: what changes),
+launch (what the command asks before jax starts, and the start itself), estimate (the memory estimate).
 """
 import importlib
 import os
@@ -24,6 +25,9 @@ _DEFINED_IN = {
     "device_kind": "resources",
     "time_matmul": "resources",
     "time_all_reduce": "resources",
+    "estimate_memory": "estimate",
+    **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",
+                     "sharded_format", "convert_sharded", "estimate_devices", "estimator_environment"), "launch"),
     **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
                      "barrier", "any_rank", "model_info", "finalize"), "step"),
 }

@@ -30,9 +30,14 @@ from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.validate import resolve_plan
 
 
-def estimate(config_dict: dict, world_size: int) -> dict:
+METHOD = "the jitted training step compiled for abstract inputs on host CPU devices (XLA's memory analysis)"
+
+
+def estimate_memory(request: dict) -> dict:
+    """The backend contract's estimate (portable_fsdp/backend.py): one device stands for all."""
     began = time.perf_counter()
-    config = from_dict(config_dict)
+    world_size = request["world"]
+    config = from_dict(request["config"])
     plan = resolve_plan(config, world_size)
     info = architecture.describe_model(config)
     arch = architecture.from_hf_config(hf_config(config.model))
@@ -70,7 +75,7 @@ def estimate(config_dict: dict, world_size: int) -> dict:
                        "tokens_per_rank": rows * config.data.seq_len // (plan.mesh.data_parallel_size
                                                                           * plan.mesh.sequence_size),
                        "cpu_offload": False, "seconds": time.perf_counter() - began}],
-            "model": dataclasses.asdict(info),
+            "model": dataclasses.asdict(info), "method": METHOD,
             "same_on_every_device": True}
 
 

@@ -7,7 +7,7 @@ inside the loop's staging directory, and renames it once every process is done: 
 committed by the loop's own rename (portable_fsdp.checkpointing), so a crash mid-write leaves the previous
 checkpoint as `latest`. A resume restores every array with the sharding the current mesh gives it (any device
 count, any mesh); the step is the manifest's. The format is orbax's, which only this backend reads
-(checkpointing.SHARDED_FORMATS).
+(`sharded_format`, backends/flax/launch.py).
 
 train.async_save: orbax's AsyncCheckpointer returns once the arrays are copied to host memory; the write, orbax's
 rename and the listing of this process's files finish in a thread, as the future the loop waits for

@@ -110,7 +110,16 @@ def tracker_for(model, optimizer, offloaded: bool):
     return cls(model, optimizer, offloaded)
 
 
-def estimate(config_dict: dict, world_size: int, ranks: list, target: str, host_is_device: bool = False) -> dict:
+METHOD = "torch FSDP2 lowering traced over a fake process group (FakeTensorMode, FSDPMemTracker), one step"
+
+
+def estimate_memory(request: dict) -> dict:
+    """The backend contract's estimate (portable_fsdp/backend.py)."""
+    return {**estimate_ranks(request["config"], request["world"], request["ranks"], request["backend"],
+                             request["host_is_device"]), "method": METHOD}
+
+
+def estimate_ranks(config_dict: dict, world_size: int, ranks: list, target: str, host_is_device: bool = False) -> dict:
     """{"ranks": [estimate_rank(...) of each of `ranks`], "model": the model's ModelInfo as a dict}. `target`: the
     device type the run trains on (cuda or cpu), which picks the optimizer's kernel. `host_is_device`: the
     ranks train on the host's memory (cpu), so plan.cpu_offload moves nothing off it."""

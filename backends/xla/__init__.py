@@ -13,6 +13,9 @@ _SURFACE = {
     "predict_step": "step", "memory_report": "step", "placement": "step", "barrier": "step", "any_rank": "step",
     "device_kind": "step", "time_matmul": "step", "time_all_reduce": "step", "model_info": "step", "finalize": "step",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
+    "estimate_memory": "estimate",
+    **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",
+                     "sharded_format", "convert_sharded", "estimate_devices", "estimator_environment"), "launch"),
 }
 
 __all__ = [*_SURFACE, "describe_model"]

@@ -28,16 +28,22 @@ from portable_fsdp.validate import resolve_plan
 FLOAT32 = 4
 
 
-def estimate(config_dict: dict, world_size: int, ranks: list) -> dict:
+METHOD = ("analytical: torch_xla's float32 state from its SPMD partition specs; activations traced from the same "
+          "model under torch FSDP2 (torch_xla is not compiled)")
+
+
+def estimate_memory(request: dict) -> dict:
+    """The backend contract's estimate (portable_fsdp/backend.py): one device stands for all (SPMD)."""
+    config_dict, world_size = request["config"], request["world"]
     config = from_dict(config_dict)
     plan = resolve_plan(config, world_size)
     held = state_per_device(config, plan)
-    traced = torch_estimate.estimate(config_dict, world_size, ranks[:1], "cpu")
+    traced = torch_estimate.estimate_ranks(config_dict, world_size, request["ranks"][:1], "cpu")
     rank = traced["ranks"][0]
     at_peak = {**rank["at_peak"], "parameters": held["parameters"], "optimizer": held["optimizer"]}
     if rank["held"]["gradients"]:  # the share of the gradients alive at the traced peak
         at_peak["gradients"] = held["gradients"] * rank["at_peak"]["gradients"] // rank["held"]["gradients"]
-    return {**traced, "same_on_every_device": True,
+    return {**traced, "same_on_every_device": True, "method": METHOD,
             "ranks": [{**rank, "rank": 0, "peak": sum(at_peak.values()), "at_peak": at_peak, "held": held}]}
 
 

@@ -118,15 +118,12 @@ def feature_rows(backend: str, nproc: int, device: str, chosen: list, scratch: p
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        from portable_fsdp.api import device_type
-        from portable_fsdp.run import default_nproc, resolve_backend
-
-        backend = resolve_backend(args.backend)
-        nproc = args.nproc or default_nproc(backend)
+        backend = backends.resolve(args.backend)
+        nproc = args.nproc or backends.load(backend).default_nproc(backend)
         if args.probe_job:
             args.backend, args.nproc = backend, nproc
             return probe_job(args)
-        device = device_type(backend)
+        device = backends.load(backend).device_type(backend)
         workdir = pathlib.Path(args.workdir or ".")
         try:
             workdir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from portable_fsdp import estimate, hardware
+from portable_fsdp import backends, estimate, hardware
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config import load_recipe
 from portable_fsdp.errors import UserError
@@ -56,10 +56,10 @@ def test_a_tpu_is_read_from_the_environment_or_must_be_named(monkeypatch):
 
 def test_the_device_picks_the_backend():
     config = tiny()
-    assert estimate.choose_backend("auto", "v5p", config) == "xla"
-    assert estimate.choose_backend("auto", "h200", config) == "cuda"
-    assert estimate.choose_backend("auto", "auto", config) == "cpu"
-    assert estimate.choose_backend("flax", "v5p", config) == "flax"
+    assert backends.for_device("auto", "TPU v5p", config) == "xla"
+    assert backends.for_device("auto", "NVIDIA H200", config) == "cuda"
+    assert backends.for_device("auto", None, config) == "cpu"
+    assert backends.for_device("flax", "TPU v5p", config) == "flax"
 
 
 def result(peak, state=GiB, offload=False, ranks=(0,)):

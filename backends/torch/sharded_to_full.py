@@ -1,4 +1,5 @@
-"""SHARDED_STATE_DICT -> FULL_STATE_DICT offline: no process group, no GPU."""
+"""SHARDED_STATE_DICT (torch distributed checkpoint files) -> FULL_STATE_DICT offline, for `python -m
+portable_fsdp.convert`: no process group, no GPU."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from portable_fsdp.backends.hf_torch.model import full_state_dict_with_ties
 from portable_fsdp.errors import UserError
 
 
-def sharded_to_full(source: pathlib.Path, target: pathlib.Path) -> None:
+def convert_sharded(source: pathlib.Path, target: pathlib.Path) -> None:
     """Write `target` as a FULL checkpoint (loads with from_pretrained, resumes at any world size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
