@@ -24,7 +24,7 @@ def parse_benchmark_args(parser, argv=None):
     bad one is the CLI's one-line error before anything runs)."""
     from portable_fsdp.config import apply_override, load_recipe
     from portable_fsdp.errors import UserError
-    from portable_fsdp.run import config_overrides
+    from portable_fsdp.cli import config_overrides
 
     args, rest = parser.parse_known_args(argv)
     try:

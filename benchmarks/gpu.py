@@ -212,7 +212,7 @@ def one_rank_attention(impl: str, method: str, size: dict, backend: str) -> dict
     from portable_fsdp.backends.hf_torch.loss import token_loss_sum
     from portable_fsdp.backends.torch import distributed
     from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
-    from portable_fsdp.data.loader import Batch
+    from portable_fsdp.data.batch import Batch
     from portable_fsdp.plan import ShardingPlan
 
     port = free_port()

@@ -82,7 +82,7 @@ def load_backend(name: str = backends.DEFAULT):
 
 class Batches:
     """This process's batches, as the training loop reads them: `train(step)` -> the micro-batches of optimizer
-    step `step` (a list of `data.loader.Batch`, `train.grad_accum_steps` long); `eval` -> the eval batches."""
+    step `step` (a list of `data.batch.Batch`, `train.grad_accum_steps` long); `eval` -> the eval batches."""
 
     def __init__(self, config, backend, state):
         where = backend.placement(state)
@@ -125,7 +125,7 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     defaults to runs/train-<time>. Raises UserError on a bad setting, RunFailed when the run fails after it
     started."""
     from portable_fsdp import launch
-    from portable_fsdp.run import default_workdir
+    from portable_fsdp.cli import default_workdir
 
     name = backends.resolve(backend, config)
     nproc = backends.load(name).default_nproc(name) if nproc is None else nproc

@@ -177,7 +177,7 @@ class Backend(Protocol):
         `backend` is the name the user chose (cpu and cuda share one lowering)."""
 
     def train_step(self, state: TrainState, micro_batches: Sequence) -> tuple[TrainState, StepMetrics]:
-        """One optimizer step over this rank's micro-batches (`data.loader.Batch`); consumes `state`."""
+        """One optimizer step over this rank's micro-batches (`data.batch.Batch`); consumes `state`."""
 
     def count_label_tokens(self, state: TrainState, batch) -> int:
         """num_items_in_batch: label tokens of the global batch, counted before any sequence sharding."""

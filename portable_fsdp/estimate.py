@@ -26,6 +26,7 @@ import tempfile
 
 from portable_fsdp import backends, hardware, tpu_vm
 from portable_fsdp.backend import ModelInfo
+from portable_fsdp.cli import Parser, config_overrides
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, from_dict, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.metrics import flops_per_token
@@ -536,14 +537,7 @@ def check_fit(config, backend: str, world_size: int, device: str, local_ranks: i
     raise UserError("train.check_fit", line + "; set train.check_fit=false to start anyway")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one `error:` line and exit 2, not a usage dump
-        raise UserError("command line", message)
-
-
 def parse_args(argv):
-    from portable_fsdp.run import config_overrides
-
     parser = Parser(prog="python -m portable_fsdp.estimate", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help=f"recipe file[:variant] (default: the bundled {DEFAULT_RECIPE})")

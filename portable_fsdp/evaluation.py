@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
 
 

@@ -17,7 +17,8 @@ import time
 
 from portable_fsdp import async_save, checkpointing, faults, hardware
 from portable_fsdp.backend import Placement
-from portable_fsdp.data.loader import DATA_STATE, open_data
+from portable_fsdp.data.batch import DATA_STATE
+from portable_fsdp.data.loader import open_data
 from portable_fsdp.data.tokenizers import save_for_generation
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics

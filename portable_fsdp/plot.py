@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 from portable_fsdp.errors import UserError
-from portable_fsdp.run import Parser
+from portable_fsdp.cli import Parser
 
 # (metrics.jsonl key, panel title). peak_mem_mb is a list, one entry per rank (per device under SPMD / JAX).
 PANELS = (("loss", "training loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"),

@@ -5,21 +5,15 @@ With no arguments: the tiny Llama on the bundled corpus, CPU, 2 local processes.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import sys
 import warnings
 
 from portable_fsdp import accelerate_launch, backends
+from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one `error:` line and exit 2, not a usage dump
-        raise UserError("command line", message)
 
 
 def parse_args(argv):
@@ -36,26 +30,6 @@ def parse_args(argv):
     parser.add_argument("--fsdp_config", default=None, help="a Hugging Face fsdp_config JSON or an Accelerate YAML")
     args, rest = parser.parse_known_args(argv)
     return args, config_overrides(rest)
-
-
-def config_overrides(items) -> list:
-    """`--config.a.b=value` arguments -> [("a.b", "value"), ...]; any other argument is an error."""
-    overrides = []
-    for item in items:
-        if not item.startswith("--config."):
-            raise UserError("command line", f"unrecognised argument {item!r}; fields are set as --config.a.b=value")
-        key, sep, value = item[len("--config."):].partition("=")
-        if not sep:
-            raise UserError(f"config.{key}", "needs a value: write --config.a.b=value")
-        overrides.append((key, value))
-    return overrides
-
-
-def default_workdir(name: str) -> pathlib.Path:
-    """runs/<name>-<time>. Under torchrun every rank must name the same directory: its run id, not each
-    rank's clock."""
-    stamp = os.environ.get("TORCHELASTIC_RUN_ID") or f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    return pathlib.Path(f"runs/{name}-{stamp}")
 
 
 _python_format = warnings.formatwarning

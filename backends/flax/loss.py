@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.loss_chunks import Chunking
 
 

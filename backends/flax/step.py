@@ -22,7 +22,7 @@ import numpy as np
 from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
                                          resources, sharding)
-from portable_fsdp.data.loader import Batch
+from portable_fsdp.data.batch import Batch
 from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.mesh_fit import tensor_parallel_plan

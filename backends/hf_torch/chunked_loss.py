@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
 from portable_fsdp.loss_chunks import Chunking
 

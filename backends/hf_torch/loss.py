@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp import faults
 from portable_fsdp.backends.hf_torch import chunked_loss
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 
 
 @dataclasses.dataclass(frozen=True)

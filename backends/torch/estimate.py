@@ -42,7 +42,7 @@ from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config import from_dict
-from portable_fsdp.data.loader import Batch
+from portable_fsdp.data.batch import Batch
 from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.schedule import for_config as schedule_for

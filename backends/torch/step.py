@@ -34,7 +34,7 @@ from portable_fsdp.backends.torch.model import broadcast_from_rank0, materialize
 from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize, shards
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
-from portable_fsdp.data.loader import Batch
+from portable_fsdp.data.batch import Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan

@@ -27,7 +27,7 @@ from portable_fsdp.backends.hf_torch.optimizer import apply_update
 from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, params as params_lib
 from portable_fsdp.backends.xla import resources, runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
-from portable_fsdp.data.loader import IGNORE_INDEX, Batch
+from portable_fsdp.data.batch import IGNORE_INDEX, Batch
 from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.loss_chunks import Chunking

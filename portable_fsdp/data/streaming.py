@@ -15,7 +15,9 @@ import typing
 
 import numpy as np
 
-from portable_fsdp.data.loader import DATA_STATE, EvalBatches, _as_batch, load_checked_tokenizer
+from portable_fsdp.data.batch import DATA_STATE, EvalBatches, as_batch
+
+from portable_fsdp.data.tokenizers import load_checked_tokenizer
 from portable_fsdp.data.rows import RowEncoder
 from portable_fsdp.data.sources import BadRow, open_dataset, resolve_source, source_error
 from portable_fsdp.errors import UserError
@@ -75,7 +77,7 @@ class StreamingBatches:
         for m in range(self.grad_accum):
             start = m * per_micro + dp_rank * per_rank
             mask = None if masks is None else masks[start:start + per_rank]
-            batches.append(_as_batch(rows[start:start + per_rank], self.documents_end_at, mask))
+            batches.append(as_batch(rows[start:start + per_rank], self.documents_end_at, mask))
         return batches
 
     def epoch_of(self, step: int) -> float:

@@ -192,3 +192,14 @@ def save_for_generation(spec: str, directory) -> dict:
     path.write_text(json.dumps(generation, indent=2) + "\n")
     written[path] = None
     return written
+
+
+def load_checked_tokenizer(data_cfg, model_vocab_size: int):
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    if tokenizer.vocab_size > model_vocab_size:
+        raise UserError("model.vocab_size", (
+            f"{model_vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids; token ids would "
+            f"index past the embedding: set model.vocab_size >= {tokenizer.vocab_size}"))
+    if data_cfg.format == "chat":
+        require_chat_template(tokenizer)
+    return tokenizer

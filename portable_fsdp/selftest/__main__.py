@@ -24,7 +24,7 @@ import time
 from portable_fsdp import backends
 from portable_fsdp.config import command_line_text
 from portable_fsdp.errors import UserError
-from portable_fsdp.run import Parser
+from portable_fsdp.cli import Parser
 from portable_fsdp.selftest import features, probe, report, runs
 
 DEVICES = "devices"  # the --only name of the measurement rows

@@ -26,7 +26,7 @@ from portable_fsdp.backends.hf_torch.loss import token_loss_sum
 from portable_fsdp.backends.torch import dtensors, sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
 from portable_fsdp.backends.torch.parallelize import apply_activation_checkpointing
-from portable_fsdp.data.loader import Batch
+from portable_fsdp.data.batch import Batch
 from tests.parity.matrix import make_config
 
 

@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from portable_fsdp import backends
 from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.backends.hf_torch.experts import expert_modules
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.batch import EvalBatches
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan
 from tests.parity.matrix import make_config
@@ -98,7 +99,7 @@ def run_variant(name: str, steps: int, models: pathlib.Path, backend) -> dict:
     held = experts_held(state.model, create_model(config, rank=0, rank0_only=False).state_dict())
     where = backend.placement(state)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
-    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size)
+    evals = EvalBatches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size)
     initial_eval = evaluate(backend, state, evals)
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed)
     losses = []

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp import backends
 from portable_fsdp.backends.torch import step as torch_step
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.batch import EvalBatches
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.validate import resolve_plan
 from tests.parity.matrix import VARIANTS, make_config
@@ -81,7 +82,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     ends = data.eos_token_id if config.data.document_masking else None
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, ends)
-    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size,
+    evals = EvalBatches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, where.dp_rank, where.dp_size,
                          documents_end_at=ends)
     initial_eval = evaluate(backend, state, evals)
     gradients = gradient_deviation(config, state, batches, where)
@@ -111,7 +112,7 @@ def sharded_round_trip(config, plan, backend, state, data, where) -> dict:
     (`rng_after_load`: a digest of each rank's state), except that a tp group's ranks must share theirs."""
     from portable_fsdp.plan import StateDictType
 
-    evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)
+    evals = EvalBatches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, 4)
     before = evaluate(backend, state, evals)["eval_loss"]
     sharded_plan = dataclasses.replace(plan, state_dict_type=StateDictType.SHARDED_STATE_DICT)
     state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=sharded_plan))

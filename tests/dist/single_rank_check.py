@@ -14,7 +14,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from portable_fsdp import backends
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data.batch import EvalBatches
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.evaluation import evaluate
 from portable_fsdp.plan import StateDictType
 from portable_fsdp.validate import resolve_plan
@@ -61,7 +62,7 @@ def run_case(overrides: dict, steps: int, backend) -> dict:
     where = backend.placement(state)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, None)
-    evals = eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, 0, 1)
+    evals = EvalBatches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, 0, 1)
     result = {"initial_eval": evaluate(backend, state, evals), **gradient_deviation(config, state, batches, where)}
     result["first_predictions"] = backend.predict_step(state, evals[0])["predictions"].tolist()
     losses = []
@@ -69,7 +70,7 @@ def run_case(overrides: dict, steps: int, backend) -> dict:
         state, metrics = backend.train_step(state, batches.micro_batches(step, 0, 1))
         losses.append(metrics["loss"])
     result.update(losses=losses, memory=backend.memory_report(state), **what_it_trains(state))
-    few = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, 4)
+    few = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, 4)
     result.update(full_round_trip(config, plan, backend, state, few))
     sharded_plan = dataclasses.replace(plan, state_dict_type=StateDictType.SHARDED_STATE_DICT)
     result.update(sharded_round_trip(config, sharded_plan, backend, state, data, where))

@@ -62,13 +62,15 @@ def config_of(models, name: str):
 def single_process_eval_loss(config) -> float:
     """Σ token losses / Σ label tokens of the unsharded model over the eval batches the ranks split."""
     from portable_fsdp.backends.hf_torch.model import create_model
-    from portable_fsdp.data.loader import IGNORE_INDEX, build_token_data, eval_batches
+    from portable_fsdp.data.batch import IGNORE_INDEX
+    from portable_fsdp.data.batch import EvalBatches
+    from portable_fsdp.data.loader import build_token_data
 
     model = create_model(config, rank=0, rank0_only=False).eval()
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for batch in eval_batches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, 0, 1):
+        for batch in EvalBatches(data.eval[:EVAL_SEQUENCES], config.train.eval_batch_size, 0, 1):
             logits = model(input_ids=torch.from_numpy(batch.input_ids), use_cache=False).logits
             total += F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()

@@ -16,7 +16,8 @@ def _losses(workdir):
 def test_chat_run_takes_the_loss_on_assistant_tokens(tmp_path):
     """data.format=chat: eval_tokens counts the assistant tokens of the eval batches, nothing else."""
     from portable_fsdp.config import apply_override, load_recipe
-    from portable_fsdp.data.loader import build_token_data, eval_batches
+    from portable_fsdp.data.batch import EvalBatches
+    from portable_fsdp.data.loader import build_token_data
 
     directory = save_chat_tokenizer(tmp_path / "chat_tok")
     path = tmp_path / "chats.jsonl"
@@ -31,7 +32,7 @@ def test_chat_run_takes_the_loss_on_assistant_tokens(tmp_path):
     for key, value in overrides.items():
         apply_override(config, key, value)
     data = build_token_data(config.data, config.model.vocab_size, 1)
-    batches = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches,
+    batches = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches,
                            loss_mask=data.eval_loss_mask)
     assistant = sum(b.num_label_tokens for b in batches)
     assert evaluated["eval_tokens"] == assistant

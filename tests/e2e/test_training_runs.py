@@ -56,7 +56,9 @@ def _eval_loss_outside_fsdp(model_dir, overrides):
     from transformers import AutoModelForCausalLM
 
     from portable_fsdp.config import apply_override, load_recipe
-    from portable_fsdp.data.loader import IGNORE_INDEX, build_token_data, eval_batches
+    from portable_fsdp.data.batch import IGNORE_INDEX
+    from portable_fsdp.data.batch import EvalBatches
+    from portable_fsdp.data.loader import build_token_data
 
     config = load_recipe(TEST_RECIPE)
     for key, value in overrides.items():
@@ -65,7 +67,7 @@ def _eval_loss_outside_fsdp(model_dir, overrides):
     data = build_token_data(config.data, config.model.vocab_size, 1)
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for batch in eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches):
+        for batch in EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches):
             logits = model(input_ids=torch.from_numpy(batch.input_ids)).logits
             total += F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()

@@ -8,7 +8,7 @@ import pytest
 
 from portable_fsdp.backends.flax import model as model_lib
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum, token_loss_sum
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.loss_chunks import Chunking
 from tests.flax.conftest import needs_devices
 

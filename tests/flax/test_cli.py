@@ -13,13 +13,17 @@ def eval_with_transformers(model_dir, config) -> tuple:
     """(eval_loss, token accuracy) of a checkpoint computed by plain transformers over the run's eval batches."""
     from transformers import AutoModelForCausalLM
 
-    from portable_fsdp.data.loader import IGNORE_INDEX, build_token_data, eval_batches
+    from portable_fsdp.data.batch import IGNORE_INDEX
+
+    from portable_fsdp.data.batch import EvalBatches
+
+    from portable_fsdp.data.loader import build_token_data
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     data = build_token_data(config.data, config.model.vocab_size, 1)
     total, tokens, right = 0.0, 0, 0
     with torch.no_grad():
-        for batch in eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches):
+        for batch in EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches):
             logits = model(input_ids=torch.from_numpy(batch.input_ids), use_cache=False).logits
             total += F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()

@@ -15,12 +15,13 @@ def test_eval_loss_and_predictions_do_not_depend_on_the_sequence_split(axis):
     from jax.sharding import PartitionSpec as P
 
     from portable_fsdp.backends.flax import sharding, step
-    from portable_fsdp.data.loader import build_token_data, eval_batches
+    from portable_fsdp.data.batch import EvalBatches
+    from portable_fsdp.data.loader import build_token_data
     from portable_fsdp.evaluation import evaluate, token_accuracy
 
     config = make_config()
     data = build_token_data(config.data, config.model.vocab_size, 1)
-    batches = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches)
+    batches = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, config.train.eval_max_batches)
     results, predictions = {}, {}
     for size in (1, 2):
         state = init_state(make_config({f"plan.{axis}_size": size}), 2)

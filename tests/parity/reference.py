@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from portable_fsdp.backends.hf_torch.model import create_model
-from portable_fsdp.data.loader import IGNORE_INDEX, TrainBatches, build_token_data
+from portable_fsdp.data.batch import IGNORE_INDEX
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.schedule import for_config
 
 

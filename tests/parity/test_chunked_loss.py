@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, token_loss_sum
-from portable_fsdp.data.loader import IGNORE_INDEX
+from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
 from portable_fsdp.loss_chunks import Chunking
 

@@ -3,7 +3,6 @@ backend is adding a folder and a registry entry. Read from the source: no core m
 with a registered one or imports a backend's package; the registry (backends/__init__.py) and the capability
 table (whose columns are the backends) are where names live."""
 import ast
-import pathlib
 
 import pytest
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from portable_fsdp.config import base_config
-from portable_fsdp.data import loader, sources, tokenizers
-from portable_fsdp.data.loader import IGNORE_INDEX, TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data import batch as batch_lib, sources, tokenizers
+from portable_fsdp.data.batch import IGNORE_INDEX
+from portable_fsdp.data.batch import EvalBatches
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.data.tokenizers import ByteTokenizer, load_tokenizer
 from tests.unit._helpers import user_error
 
@@ -116,7 +118,7 @@ def test_sequences_hold_seq_len_plus_one_tokens(text_file):
     assert data.train.shape[1] == data.eval.shape[1] == 17
     # stored compact (the token cache's uint16 for a vocabulary of 257), handed out as int64 ids
     assert data.train.dtype == data.eval.dtype == np.uint16
-    assert loader._as_batch(data.train[:2]).input_ids.dtype == np.int64
+    assert batch_lib.as_batch(data.train[:2]).input_ids.dtype == np.int64
     assert data.vocab_size == 257
     n = len(data.train) + len(data.eval)
     assert n == (len(token_stream(text_file)) - 1) // 16
@@ -127,7 +129,7 @@ def test_labels_are_inputs_shifted_by_one_over_the_whole_sequence(text_file):
     seq_len = 16
     tokens = token_stream(text_file)
     data = build_token_data(data_cfg(text_file, seq_len=seq_len), 384, min_train_sequences=4)
-    batch = loader._as_batch(data.train)
+    batch = batch_lib.as_batch(data.train)
     assert batch.input_ids.shape == batch.labels.shape == (len(data.train), seq_len)
     np.testing.assert_array_equal(batch.labels[:, :-1], batch.input_ids[:, 1:])
     for i in range(len(data.train)):
@@ -254,7 +256,7 @@ def test_epoch_of():
 ])
 def test_eval_batches_same_count_on_every_rank(n, global_batch, dp_size, max_batches, expected_batches):
     seqs = sequences(n) + 1  # ids 1..n, so zero padding is recognisable
-    per_rank = [eval_batches(seqs, global_batch, r, dp_size, max_batches) for r in range(dp_size)]
+    per_rank = [EvalBatches(seqs, global_batch, r, dp_size, max_batches) for r in range(dp_size)]
     assert {len(b) for b in per_rank} == {expected_batches}
     for batches in per_rank:
         for b in batches:
@@ -275,7 +277,7 @@ def test_eval_batches_same_count_on_every_rank(n, global_batch, dp_size, max_bat
 
 
 def test_eval_padding_rows_are_all_ignore_index():
-    batches = eval_batches(sequences(5) + 1, 4, dp_rank=1, dp_size=2)
+    batches = EvalBatches(sequences(5) + 1, 4, dp_rank=1, dp_size=2)
     last = batches[-1]
     assert (last.labels == IGNORE_INDEX).all() and last.num_label_tokens == 0
 
@@ -286,14 +288,14 @@ def test_eval_padding_rows_keep_valid_input_ids(n, global_batch, dp_size):
     # so they must stay valid token ids (never IGNORE_INDEX), whatever the rows per rank.
     seqs = sequences(n) + 1
     for rank in range(dp_size):
-        for b in eval_batches(seqs, global_batch, rank, dp_size):
+        for b in EvalBatches(seqs, global_batch, rank, dp_size):
             assert (b.input_ids >= 0).all(), f"rank {rank}: input_ids {b.input_ids.tolist()}"
 
 
 def test_eval_batches_do_not_modify_input():
     seqs = sequences(5) + 1
     copy = seqs.copy()
-    eval_batches(seqs, 4, 0, 1)
+    EvalBatches(seqs, 4, 0, 1)
     np.testing.assert_array_equal(seqs, copy)
 
 

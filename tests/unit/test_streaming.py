@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from portable_fsdp.config import base_config
-from portable_fsdp.data.loader import DATA_STATE, IGNORE_INDEX, build_token_data, open_data
+from portable_fsdp.data.batch import DATA_STATE, IGNORE_INDEX
+from portable_fsdp.data.loader import build_token_data, open_data
 from portable_fsdp.data.streaming import StreamingBatches
 from tests.unit._helpers import user_error
 from tests.unit.test_token_cache import CONVERSATIONS, save_chat_tokenizer

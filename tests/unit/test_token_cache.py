@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from portable_fsdp.config import base_config
-from portable_fsdp.data import cache, loader, sources
-from portable_fsdp.data.loader import IGNORE_INDEX, TrainBatches, build_token_data, eval_batches
+from portable_fsdp.data import batch as batch_lib, cache, loader, sources
+from portable_fsdp.data.batch import IGNORE_INDEX
+from portable_fsdp.data.batch import EvalBatches
+from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.data.tokenizers import ByteTokenizer, load_tokenizer
 from tests.conftest import ROOT
 from tests.unit._helpers import user_error
@@ -77,7 +79,7 @@ def test_bundled_corpus_gives_the_batches_of_in_memory_packing(document_masking)
                     if a is not None:
                         assert a.dtype == b.dtype == np.int64
                         np.testing.assert_array_equal(a, b)
-    for new, ref in zip(eval_batches(data.eval, 8, 1, 2, 0, ends), eval_batches(old_eval, 8, 1, 2, 0, ends)):
+    for new, ref in zip(EvalBatches(data.eval, 8, 1, 2, 0, ends), EvalBatches(old_eval, 8, 1, 2, 0, ends)):
         np.testing.assert_array_equal(new.input_ids, ref.input_ids)
         np.testing.assert_array_equal(new.labels, ref.labels)
 
@@ -361,7 +363,7 @@ def test_chat_rows_take_the_loss_on_assistant_tokens_only(tmp_path):
     assert trained == expected  # assistant words, their end-of-turn marker, the final end of document
     every = np.concatenate([data.train, data.eval])
     masks = np.concatenate([data.train_loss_mask, data.eval_loss_mask])
-    batch = loader._as_batch(every, None, masks)
+    batch = batch_lib.as_batch(every, None, masks)
     stream = np.concatenate([a for c in CONVERSATIONS * 20 for a in tok.encode_chats([c])[0][:1]])
     stream_mask = np.concatenate([m for c in CONVERSATIONS * 20 for m in [tok.encode_chats([c])[0][1]]])
     n = len(every) * 8
@@ -369,7 +371,7 @@ def test_chat_rows_take_the_loss_on_assistant_tokens_only(tmp_path):
     np.testing.assert_array_equal(batch.labels.reshape(-1), np.where(stream_mask[1:n + 1] == 1,
                                                                      stream[1:n + 1], IGNORE_INDEX))
     # eval_loss is counted over the same tokens: each eval batch's label tokens are its assistant tokens
-    evals = eval_batches(data.eval, 4, 0, 1, 0, None, data.eval_loss_mask)
+    evals = EvalBatches(data.eval, 4, 0, 1, 0, None, data.eval_loss_mask)
     assert sum(b.num_label_tokens for b in evals) == int(data.eval_loss_mask[:, 1:].sum())
     train = TrainBatches(data.train, 4, 1, 0, loss_mask=data.train_loss_mask).micro_batches(0, 0, 1)[0]
     rows = TrainBatches(data.train, 4, 1, 0).global_indices(0)
@@ -455,6 +457,6 @@ def test_read_rows_leave_no_mapped_pages_behind(tmp_path):
     batches = TrainBatches(data.train, 8, 1, seed=0)
     for step in range(20):
         batches.micro_batches(step, 0, 1)
-    for batch in eval_batches(data.eval, 8, 0, 1):
+    for batch in EvalBatches(data.eval, 8, 0, 1):
         assert batch.num_label_tokens
     assert _mapped_rss_kb(cache.TOKENS) == 0  # in the page cache, not in this process's resident set

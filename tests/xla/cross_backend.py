@@ -45,7 +45,8 @@ def main() -> None:
     world = _prepare(args.backend)
 
     from portable_fsdp import backends
-    from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches
+    from portable_fsdp.data.batch import EvalBatches
+    from portable_fsdp.data.loader import TrainBatches, build_token_data
     from portable_fsdp.evaluation import evaluate
     from portable_fsdp.validate import resolve_plan
     from tests.parity.matrix import make_config
@@ -54,7 +55,7 @@ def main() -> None:
     backend = backends.load(args.backend)
     state = backend.init(config, resolve_plan(config, world), args.backend)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
-    evals = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, 4)
+    evals = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, 4)
     result = {"initial_eval": evaluate(backend, state, evals)["eval_loss"]}
     if args.load:
         directory, step = args.load

@@ -30,7 +30,8 @@ import json  # noqa: E402
 import re  # noqa: E402
 
 from portable_fsdp import backends  # noqa: E402
-from portable_fsdp.data.loader import TrainBatches, build_token_data, eval_batches  # noqa: E402
+from portable_fsdp.data.batch import EvalBatches  # noqa: E402
+from portable_fsdp.data.loader import TrainBatches, build_token_data  # noqa: E402
 from portable_fsdp.evaluation import evaluate  # noqa: E402
 from portable_fsdp.plan import StateDictType  # noqa: E402
 from portable_fsdp.validate import resolve_plan  # noqa: E402
@@ -127,7 +128,7 @@ def run_variant(name: str, steps: int, backend) -> dict:
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     ends = data.eos_token_id if config.data.document_masking else None
     batches = TrainBatches(data.train, config.train.batch_size, config.train.grad_accum_steps, config.seed, ends)
-    evals = eval_batches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, EVAL_BATCHES, ends)
+    evals = EvalBatches(data.eval, config.train.eval_batch_size, where.dp_rank, where.dp_size, EVAL_BATCHES, ends)
     plain_eval, plain_logits = plain_torch_eval(config, evals)
     result = {"initial_eval": evaluate(backend, state, evals), "plain_eval": plain_eval,
               "names": [n.name for n in state.ctx.named], "input_sharding": input_sharding(state, evals[0])}
@@ -163,7 +164,7 @@ def full_resume_without_tp(config, plan, backend, steps: int) -> dict:
     half = steps // 2
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, 1, config.seed)
-    evals = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, EVAL_BATCHES)
+    evals = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, EVAL_BATCHES)
     state = backend.init(config, plan, "xla")
     for step in range(half):
         state, _ = backend.train_step(state, batches.micro_batches(step, 0, 1))
@@ -194,7 +195,7 @@ def sharded_resume(config, plan, backend, steps: int) -> dict:
     plan = dataclasses.replace(plan, state_dict_type=StateDictType.SHARDED_STATE_DICT)
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, 1, config.seed)
-    evals = eval_batches(data.eval, config.train.eval_batch_size, 0, 1, EVAL_BATCHES)
+    evals = EvalBatches(data.eval, config.train.eval_batch_size, 0, 1, EVAL_BATCHES)
     state = backend.init(config, plan, "xla")
     for step in range(half):
         state, _ = backend.train_step(state, batches.micro_batches(step, 0, 1))
