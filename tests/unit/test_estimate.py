@@ -1,4 +1,4 @@
-"""The memory estimate's neutral side (portable_fsdp/estimate.py): which device a run trains on, the verdict line,
+"""The memory estimate's neutral side (portable_fsdp/estimate/): which device a run trains on, the verdict line,
 which settings are tried when a run does not fit and which of them are reported. The traced numbers themselves
 are tested in tests/e2e/test_estimate.py."""
 import dataclasses
