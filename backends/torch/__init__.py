@@ -11,9 +11,9 @@ _DEFINED_IN = {
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
     "convert_sharded": "sharded_to_full",
     "estimate_memory": "estimate",
-    **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "memory_report",
-                     "placement", "barrier", "any_rank", "device_kind", "time_matmul", "time_all_reduce",
-                     "model_info", "finalize"), "step"),
+    **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
+                     "barrier", "any_rank", "model_info", "finalize"), "step"),
+    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce"), "resources"),
     **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",
                      "sharded_format", "estimate_devices", "estimator_environment"), "launch"),
 }

@@ -9,12 +9,18 @@ workspaces, which no allocator counter sees. On the CPU every figure is the proc
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from portable_fsdp import host_memory
 from portable_fsdp.backends.hf_torch import matmul
+
+if TYPE_CHECKING:
+    from portable_fsdp.backends.torch.step import TrainState
 
 MiB = 2**20
 
@@ -44,11 +50,11 @@ def shared_mb(device: torch.device) -> float:
     return host_memory.shared_resident_mb() if device.type == "cpu" else 0.0
 
 
-def device_kind(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
-def time_all_reduce(device: torch.device, size: int) -> float:
+def all_reduce_seconds(device: torch.device, size: int) -> float:
     """Seconds of one all-reduce of `size` bytes over the world group (NCCL on GPUs, gloo on the CPU), from every
     rank's operand ready (a barrier) to this rank's result ready."""
     operand = torch.ones(size // 4, dtype=torch.float32, device=device)
@@ -65,6 +71,62 @@ def _wait(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_matmul(device: torch.device, size: int, dtype: str) -> float:
+def matmul_seconds(device: torch.device, size: int, dtype: str) -> float:
     """Seconds of one size x size product on `device` (the primitive of portable_fsdp.hardware)."""
     return matmul.time_matmul(device, size, dtype, lambda: _wait(device))
+
+
+# ---- the backend contract's functions (portable_fsdp/backend.py) that read them
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's pieces of `tensors` (a DTensor's local shard, a plain tensor whole)."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _state_bytes(state: TrainState) -> int:
+    """Bytes of parameters and optimizer state held by this rank."""
+    optimizer_state = (v for per_param in state.optimizer.state.values() for v in per_param.values() if torch.is_tensor(v))
+    return _local_bytes(state.model.parameters()) + _local_bytes(optimizer_state)
+
+
+def _gradient_bytes(state: TrainState) -> int:
+    """Bytes of this rank's gradient shards (one per trainable parameter shard, in its dtype), held from
+    the backward to the update; freed in between, so counted rather than read."""
+    return _local_bytes(p for p in state.model.parameters() if p.requires_grad)
+
+
+def memory_report(state: TrainState) -> dict:
+    """Per-rank memory in MiB (a collective: every rank must call it), the keys of MEMORY_KEYS: mem_mb /
+    peak_mem_mb / reserved_mb / peak_reserved_mb as torch/resources.py reads them (allocated and reserved by
+    the caching allocator on CUDA, the resident set on CPU); `state_mb`: parameters and optimizer state this
+    rank holds; `grad_mb`: its gradient shards, held during a step (with grad_accum_steps > 1, FSDP2 holds
+    unsharded gradients between micro-batches); `base_mem_mb`: memory in use before the model existed
+    (libraries, process group; on CUDA the context and NCCL's buffers too); `shm_mb`: shared memory in mem_mb."""
+    device = state.ctx.runtime.device
+    keys = ("mem_mb", "peak_mem_mb", "reserved_mb", "peak_reserved_mb", "state_mb", "grad_mb", "base_mem_mb",
+            "shm_mb")
+    mine = {**memory_mb(device), "state_mb": _state_bytes(state) / 2**20,
+            "grad_mb": _gradient_bytes(state) / 2**20, "base_mem_mb": state.ctx.baseline_mb,
+            "shm_mb": shared_mb(device)}
+    local = torch.tensor([mine[key] for key in keys], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    rows = np.array([g.tolist() for g in gathered])
+    return {key: rows[:, i].round(2 if key in ("state_mb", "grad_mb") else 1).tolist() for i, key in enumerate(keys)}
+
+
+def device_kind(state: TrainState) -> str:
+    return device_name(state.ctx.runtime.device)
+
+
+def time_matmul(state: TrainState, size: int, dtype: str) -> float:
+    return matmul_seconds(state.ctx.runtime.device, size, dtype)
+
+
+def time_all_reduce(state: TrainState, size: int) -> float:
+    return all_reduce_seconds(state.ctx.runtime.device, size)

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -333,47 +332,6 @@ def _gather_data_parallel(full_length: torch.Tensor, ctx: Context) -> torch.Tens
     return torch.cat(parts[::ctx.meshes.batch_group_size])
 
 
-def _local_bytes(tensors) -> int:
-    """Bytes of this rank's pieces of `tensors` (a DTensor's local shard, a plain tensor whole)."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _state_bytes(state: TrainState) -> int:
-    """Bytes of parameters and optimizer state held by this rank."""
-    optimizer_state = (v for per_param in state.optimizer.state.values() for v in per_param.values() if torch.is_tensor(v))
-    return _local_bytes(state.model.parameters()) + _local_bytes(optimizer_state)
-
-
-def _gradient_bytes(state: TrainState) -> int:
-    """Bytes of this rank's gradient shards (one per trainable parameter shard, in its dtype), held from
-    the backward to the update; freed in between, so counted rather than read."""
-    return _local_bytes(p for p in state.model.parameters() if p.requires_grad)
-
-
-def memory_report(state: TrainState) -> dict:
-    """Per-rank memory in MiB (a collective: every rank must call it), the keys of MEMORY_KEYS: mem_mb /
-    peak_mem_mb / reserved_mb / peak_reserved_mb as torch/resources.py reads them (allocated and reserved by
-    the caching allocator on CUDA, the resident set on CPU); `state_mb`: parameters and optimizer state this
-    rank holds; `grad_mb`: its gradient shards, held during a step (with grad_accum_steps > 1, FSDP2 holds
-    unsharded gradients between micro-batches); `base_mem_mb`: memory in use before the model existed
-    (libraries, process group; on CUDA the context and NCCL's buffers too); `shm_mb`: shared memory in mem_mb."""
-    device = state.ctx.runtime.device
-    keys = ("mem_mb", "peak_mem_mb", "reserved_mb", "peak_reserved_mb", "state_mb", "grad_mb", "base_mem_mb",
-            "shm_mb")
-    mine = {**resources.memory_mb(device), "state_mb": _state_bytes(state) / 2**20,
-            "grad_mb": _gradient_bytes(state) / 2**20, "base_mem_mb": state.ctx.baseline_mb,
-            "shm_mb": resources.shared_mb(device)}
-    local = torch.tensor([mine[key] for key in keys], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    rows = np.array([g.tolist() for g in gathered])
-    return {key: rows[:, i].round(2 if key in ("state_mb", "grad_mb") else 1).tolist() for i, key in enumerate(keys)}
-
-
 def placement(state: TrainState) -> Placement:
     return Placement(rank=state.ctx.runtime.rank, world_size=state.ctx.runtime.world_size,
                      dp_rank=state.ctx.meshes.dp_rank, dp_size=state.ctx.meshes.dp_size)
@@ -389,18 +347,6 @@ def any_rank(state: TrainState, flag: bool) -> bool:
     tensor = torch.tensor([int(flag)], device=state.ctx.runtime.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
-
-
-def device_kind(state: TrainState) -> str:
-    return resources.device_kind(state.ctx.runtime.device)
-
-
-def time_matmul(state: TrainState, size: int, dtype: str) -> float:
-    return resources.time_matmul(state.ctx.runtime.device, size, dtype)
-
-
-def time_all_reduce(state: TrainState, size: int) -> float:
-    return resources.time_all_reduce(state.ctx.runtime.device, size)
 
 
 def model_info(state: TrainState) -> ModelInfo:

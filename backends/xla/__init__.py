@@ -9,9 +9,9 @@ import importlib
 from portable_fsdp.backends.hf_torch.model import describe_model  # the same transformers model: shared
 
 _SURFACE = {
-    "init": "step", "train_step": "step", "eval_step": "step", "count_label_tokens": "step",
-    "predict_step": "step", "memory_report": "step", "placement": "step", "barrier": "step", "any_rank": "step",
-    "device_kind": "step", "time_matmul": "step", "time_all_reduce": "step", "model_info": "step", "finalize": "step",
+    **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
+                     "barrier", "any_rank", "model_info", "finalize"), "step"),
+    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce"), "resources"),
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
     "estimate_memory": "estimate",
     **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",

@@ -8,15 +8,28 @@ device) asks torch_xla about its own device. PJRT CPU devices are this process's
 """
 from __future__ import annotations
 
+import math
+import time
 import warnings
+from typing import TYPE_CHECKING
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
 
 from portable_fsdp import host_memory, tpu_vm
+from portable_fsdp.backends.hf_torch import matmul
+from portable_fsdp.backends.xla import runtime as rt
+
+if TYPE_CHECKING:
+    from portable_fsdp.backends.xla.step import TrainState
 
 MiB = 2**20
 _largest_seen: dict = {}  # device index -> the most HBM libtpu reported in use on it (it keeps no peak itself)
 
 
-def device_kind(spmd: bool, device_type: str) -> str:
+def device_name(spmd: bool, device_type: str) -> str:
     """The device as portable_fsdp.hardware's datasheet looks it up: "cpu" on PJRT CPU; under SPMD on a TPU the
     accelerator type ("TPU v5p-8"; the bare device type when it cannot be read, so the peak is measured); the
     PJRT device kind of this process's device under FSDP v1 ("TPU v5")."""
@@ -88,3 +101,86 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=3)
+
+
+# ---- the backend contract's functions (portable_fsdp/backend.py) that read them
+
+
+def _state_tensors(state: TrainState) -> list:
+    """Parameters and optimizer state (what sharding is for)."""
+    return [n.param for n in state.ctx.named] + [v for s in state.optimizer.state.values() for v in s.values()
+                                                 if torch.is_tensor(v) and v.device.type == "xla"]
+
+
+def _gradient_tensors(state: TrainState) -> list:
+    """Stand-ins for the gradients: one per trainable parameter shard, in its dtype, held from the backward to
+    the update (freed in between, so counted rather than read), as the torch backend counts them."""
+    return [n.param for n in state.ctx.named if n.param.requires_grad]
+
+
+def _bytes_per_device(state: TrainState, tensors: list, key: str) -> list:
+    """Bytes of `tensors` each device holds."""
+    runtime = state.ctx.runtime
+    if not runtime.spmd:
+        mine = sum(t.numel() * t.element_size() for t in tensors)
+        return xm.mesh_reduce(f"portable_fsdp.{key}", [mine], lambda parts: sum(parts, []))
+    xm.wait_device_ops()  # shard layouts are read from the data, which the last update may still be writing
+    per_device = [0] * runtime.world_size
+    for tensor, shards in zip(tensors, torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)):
+        for device_index, (_, indices) in enumerate(shards):
+            count = tensor.numel() if indices is Ellipsis else math.prod(s.stop - s.start for s in indices)
+            per_device[device_index] += count * tensor.element_size()
+    return per_device
+
+
+def memory_report(state: TrainState) -> dict:
+    """Per device (the plan's ranks), in MiB, the keys of MEMORY_KEYS: each device's memory as
+    backends/xla/resources.py reads it (HBM on a TPU; the host process's resident set, given for each device it
+    drives, on PJRT CPU), base_mem_mb (before the model existed) and shm_mb; state_mb and grad_mb are what each
+    device holds."""
+    runtime = state.ctx.runtime
+    state_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _state_tensors(state), "state_bytes")]
+    grad_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _gradient_tensors(state), "grad_bytes")]
+    shared = host_memory.shared_resident_mb() if runtime.device_type == "CPU" else 0.0
+    mine = [{**row, "base_mem_mb": state.ctx.baseline_mb, "shm_mb": shared}
+            for row in memory_mb(runtime.spmd, runtime.device_type, len(state_mb) if runtime.spmd else 1,
+                                           runtime.device)]
+    rows = mine if runtime.spmd else xm.mesh_reduce("portable_fsdp.memory", mine, lambda parts: sum(parts, []))
+    return {**{key: [round(row[key], 1) for row in rows] for key in mine[0]}, "state_mb": state_mb,
+            "grad_mb": grad_mb}
+
+
+def device_kind(state: TrainState) -> str:
+    """The device MFU's datasheet peak is looked up by (backends/xla/resources.py)."""
+    return device_name(state.ctx.runtime.spmd, state.ctx.runtime.device_type)
+
+
+def time_matmul(state: TrainState, size: int, dtype: str) -> float:
+    """Seconds of one size x size product on one device. Under SPMD the operands are replicated, so every
+    device of the process runs its own copy at once, as portable_fsdp.hardware asks."""
+    return matmul.time_matmul(state.ctx.runtime.device, size, dtype, xm.wait_device_ops)
+
+
+def time_all_reduce(state: TrainState, size: int) -> float:
+    """Seconds of one all-reduce of `size` bytes over every device: under SPMD one row per device, summed into a
+    replicated result (the compiler's all-reduce); under FSDP v1 xm.all_reduce over the processes."""
+    runtime = state.ctx.runtime
+    if runtime.spmd:
+        operand = torch.ones(runtime.world_size, size // 4, device=runtime.device)  # one row made on each device
+        xs.mark_sharding(operand, runtime.mesh, (tuple(runtime.mesh.axis_names), None))
+        rt.sync()
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        summed = operand.sum(dim=0)
+    else:
+        operand = torch.ones(size // 4, device=runtime.device)
+        rt.sync()
+        xm.wait_device_ops()
+        rt.barrier(runtime)
+        start = time.perf_counter()
+        summed = xm.all_reduce(xm.REDUCE_SUM, operand)
+    rt.sync()  # runs the graph of what is still referenced: `summed` must be alive here
+    xm.wait_device_ops()
+    seconds = time.perf_counter() - start
+    del summed
+    return seconds

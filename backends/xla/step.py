@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import time
 
 import torch
-import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from portable_fsdp.backends.hf_torch import chunked_loss, matmul
+from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
 from portable_fsdp.backends.hf_torch.model import (create_model, create_on_meta, describe_model,
                                                   enable_gradient_checkpointing, freeze_parameters)
@@ -28,7 +24,6 @@ from portable_fsdp.backends.xla import fsdp_settings, moe, optimizer as optim, p
 from portable_fsdp.backends.xla import resources, runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.batch import IGNORE_INDEX, Batch
-from portable_fsdp import host_memory
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.loss_chunks import Chunking
 from portable_fsdp.plan import ShardingPlan
@@ -184,50 +179,6 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     return {k: rt.gather_rows(ctx.runtime, v) for k, v in outputs.items()}
 
 
-def _state_tensors(state: TrainState) -> list:
-    """Parameters and optimizer state (what sharding is for)."""
-    return [n.param for n in state.ctx.named] + [v for s in state.optimizer.state.values() for v in s.values()
-                                                 if torch.is_tensor(v) and v.device.type == "xla"]
-
-
-def _gradient_tensors(state: TrainState) -> list:
-    """Stand-ins for the gradients: one per trainable parameter shard, in its dtype, held from the backward to
-    the update (freed in between, so counted rather than read), as the torch backend counts them."""
-    return [n.param for n in state.ctx.named if n.param.requires_grad]
-
-
-def _bytes_per_device(state: TrainState, tensors: list, key: str) -> list:
-    """Bytes of `tensors` each device holds."""
-    runtime = state.ctx.runtime
-    if not runtime.spmd:
-        mine = sum(t.numel() * t.element_size() for t in tensors)
-        return xm.mesh_reduce(f"portable_fsdp.{key}", [mine], lambda parts: sum(parts, []))
-    xm.wait_device_ops()  # shard layouts are read from the data, which the last update may still be writing
-    per_device = [0] * runtime.world_size
-    for tensor, shards in zip(tensors, torch_xla._XLAC._get_local_shard_replica_and_indices(tensors)):
-        for device_index, (_, indices) in enumerate(shards):
-            count = tensor.numel() if indices is Ellipsis else math.prod(s.stop - s.start for s in indices)
-            per_device[device_index] += count * tensor.element_size()
-    return per_device
-
-
-def memory_report(state: TrainState) -> dict:
-    """Per device (the plan's ranks), in MiB, the keys of MEMORY_KEYS: each device's memory as
-    backends/xla/resources.py reads it (HBM on a TPU; the host process's resident set, given for each device it
-    drives, on PJRT CPU), base_mem_mb (before the model existed) and shm_mb; state_mb and grad_mb are what each
-    device holds."""
-    runtime = state.ctx.runtime
-    state_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _state_tensors(state), "state_bytes")]
-    grad_mb = [round(b / 2**20, 2) for b in _bytes_per_device(state, _gradient_tensors(state), "grad_bytes")]
-    shared = host_memory.shared_resident_mb() if runtime.device_type == "CPU" else 0.0
-    mine = [{**row, "base_mem_mb": state.ctx.baseline_mb, "shm_mb": shared}
-            for row in resources.memory_mb(runtime.spmd, runtime.device_type, len(state_mb) if runtime.spmd else 1,
-                                           runtime.device)]
-    rows = mine if runtime.spmd else xm.mesh_reduce("portable_fsdp.memory", mine, lambda parts: sum(parts, []))
-    return {**{key: [round(row[key], 1) for row in rows] for key in mine[0]}, "state_mb": state_mb,
-            "grad_mb": grad_mb}
-
-
 def placement(state: TrainState) -> Placement:
     runtime = state.ctx.runtime
     dp_rank, dp_size = runtime.data_parallel
@@ -243,42 +194,6 @@ def barrier(state: TrainState, timeout_s: float | None = None) -> None:
 def any_rank(state: TrainState, flag: bool) -> bool:
     """True on every process when `flag` is true on any (free with one SPMD process per host)."""
     return rt.host_sum(state.ctx.runtime, int(flag)) > 0
-
-
-def device_kind(state: TrainState) -> str:
-    """The device MFU's datasheet peak is looked up by (backends/xla/resources.py)."""
-    return resources.device_kind(state.ctx.runtime.spmd, state.ctx.runtime.device_type)
-
-
-def time_matmul(state: TrainState, size: int, dtype: str) -> float:
-    """Seconds of one size x size product on one device. Under SPMD the operands are replicated, so every
-    device of the process runs its own copy at once, as portable_fsdp.hardware asks."""
-    return matmul.time_matmul(state.ctx.runtime.device, size, dtype, xm.wait_device_ops)
-
-
-def time_all_reduce(state: TrainState, size: int) -> float:
-    """Seconds of one all-reduce of `size` bytes over every device: under SPMD one row per device, summed into a
-    replicated result (the compiler's all-reduce); under FSDP v1 xm.all_reduce over the processes."""
-    runtime = state.ctx.runtime
-    if runtime.spmd:
-        operand = torch.ones(runtime.world_size, size // 4, device=runtime.device)  # one row made on each device
-        xs.mark_sharding(operand, runtime.mesh, (tuple(runtime.mesh.axis_names), None))
-        rt.sync()
-        xm.wait_device_ops()
-        start = time.perf_counter()
-        summed = operand.sum(dim=0)
-    else:
-        operand = torch.ones(size // 4, device=runtime.device)
-        rt.sync()
-        xm.wait_device_ops()
-        rt.barrier(runtime)
-        start = time.perf_counter()
-        summed = xm.all_reduce(xm.REDUCE_SUM, operand)
-    rt.sync()  # runs the graph of what is still referenced: `summed` must be alive here
-    xm.wait_device_ops()
-    seconds = time.perf_counter() - start
-    del summed
-    return seconds
 
 
 def model_info(state: TrainState) -> ModelInfo:

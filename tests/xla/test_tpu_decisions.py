@@ -26,7 +26,7 @@ for name, query in (("device_kind", lambda: xm.xla_device_kind()),
     except RuntimeError as err:
         found[name] = str(err).splitlines()[0]
 from portable_fsdp.backends.xla import resources
-found["ours"] = resources.device_kind(True, xr.device_type())
+found["ours"] = resources.device_name(True, xr.device_type())
 print(json.dumps(found))
 """
 
@@ -45,16 +45,16 @@ def test_runtime_queries_refuse_the_spmd_virtual_device():
 
 def test_under_spmd_the_chip_is_named_by_the_slices_accelerator_type(monkeypatch):
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
-    assert resources.device_kind(True, "TPU") == "TPU v5p-8"
+    assert resources.device_name(True, "TPU") == "TPU v5p-8"
     monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
     monkeypatch.setattr(tpu_vm, "tpu_visible", lambda: False)
-    assert resources.device_kind(True, "TPU") == "TPU"  # unknown: MFU measures the peak (with a warning)
-    assert resources.device_kind(True, "CPU") == "cpu"
+    assert resources.device_name(True, "TPU") == "TPU"  # unknown: MFU measures the peak (with a warning)
+    assert resources.device_name(True, "CPU") == "cpu"
 
 
 def test_fsdp_v1_asks_torch_xla_for_its_own_device(monkeypatch):
     monkeypatch.setattr(resources, "_pjrt_device_kind", lambda: "TPU v5 lite")  # xm.xla_device_kind, one device
-    assert resources.device_kind(False, "TPU") == "TPU v5 lite"
+    assert resources.device_name(False, "TPU") == "TPU v5 lite"
 
 
 def test_hbm_comes_from_libtpu_with_the_largest_seen_as_peak():
