@@ -35,7 +35,7 @@ class Is:
         return value == self.value
 
     def describe(self) -> str:
-        return f"= {_show(self.value)}"
+        return f"= {show(self.value)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class IsNot:
         return value != self.value
 
     def describe(self) -> str:
-        return f"≠ {_show(self.value)}"
+        return f"≠ {show(self.value)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class OneOf:
         return value in self.values
 
     def describe(self) -> str:
-        return "∈ {" + ", ".join(map(_show, self.values)) + "}"
+        return "∈ {" + ", ".join(map(show, self.values)) + "}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class NoneOf:
         return value not in self.values
 
     def describe(self) -> str:
-        return "∉ {" + ", ".join(map(_show, self.values)) + "}"
+        return "∉ {" + ", ".join(map(show, self.values)) + "}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class NeitherOf:
         return value not in (self.literal, context[self.other])
 
     def describe(self) -> str:
-        return f"∉ {{{_show(self.literal)}, {self.other}}}"
+        return f"∉ {{{show(self.literal)}, {self.other}}}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ SET = IsNot([])  # a non-empty list field
 ON = Is(True)
 
 
-def _show(value) -> str:
+def show(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -140,10 +140,6 @@ class Rule:
     field: str  # the field the message names
     when: tuple  # ((field, condition), ...): all must hold
     verdicts: Mapping  # target -> Refused | NoEffect | Caution; targets not named honour the setting
-
-
-def _refused_everywhere(fix: str) -> dict:
-    return dict.fromkeys(TARGETS, Refused(fix))
 
 
 XLA_DECIDES = NoEffect("the XLA compiler decides how devices exchange data")
@@ -366,7 +362,7 @@ def message(rule: Rule, verdict, context: Mapping, target: str) -> str:
     filled in."""
     text = verdict.fix if isinstance(verdict, Refused) else verdict.why
     fill = {**context, "value": context[rule.field], "target": target.replace("_v1", "")}
-    return re.sub(r"\{([\w.\-]+)\}", lambda match: _show(fill[match.group(1)]), text)
+    return re.sub(r"\{([\w.\-]+)\}", lambda match: show(fill[match.group(1)]), text)
 
 
 def markdown() -> str:

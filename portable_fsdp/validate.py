@@ -56,7 +56,7 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     for rule, verdict in found:
         text = capabilities.message(rule, verdict, context, target)
         if isinstance(verdict, capabilities.Caution):
-            warnings.warn(f"{rule.field}={capabilities._show(context[rule.field])}: {text}", stacklevel=2)
+            warnings.warn(f"{rule.field}={capabilities.show(context[rule.field])}: {text}", stacklevel=2)
         else:
             warnings.warn(f"{rule.field} has no effect on --backend {backend}: {text}", stacklevel=2)
 

@@ -1,4 +1,4 @@
-"""The functional surface of the Flax lowering that the neutral loop drives (protocol: portable_fsdp/loop.py).
+"""The functional surface of the Flax lowering that the neutral loop drives (protocol: portable_fsdp/backend.py).
 
 One process drives every device of the mesh, so it reads the whole global batch (placement: dp_size 1)
 and the jitted programs split it over the devices: rows over dp_replicate × fsdp, the sequence over cp or sp,

@@ -30,7 +30,7 @@ from portable_fsdp.backends.hf_torch import export
 from portable_fsdp.backends.torch import distributed, save_process, sharded_writer
 from portable_fsdp.backends.torch.dtensors import full_value
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
-from portable_fsdp.backends.torch.model import _fill
+from portable_fsdp.backends.torch.model import fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
 from portable_fsdp import checkpointing, safetensors_shards
 from portable_fsdp.errors import UserError
@@ -201,7 +201,7 @@ def load_full_optimizer_state(model, optimizer, full: dict) -> None:
                             "another set of trainable parameters (train.freeze)")
         for key, value in per_param.items():
             if isinstance(value, DTensor):
-                _fill(value, saved[key])
+                fill(value, saved[key])
             elif torch.is_tensor(value):
                 with torch.no_grad():
                     value.copy_(saved[key])
@@ -226,7 +226,7 @@ def load_full_weights(model, directory: pathlib.Path) -> None:
             for key in f.keys():
                 if key in targets:
                     for param in targets[key]:
-                        _fill(param, f.get_tensor(key))
+                        fill(param, f.get_tensor(key))
                 elif key in buffers:
                     with torch.no_grad():
                         buffers[key].copy_(f.get_tensor(key))

@@ -5,7 +5,7 @@
 ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), float8, tensor / expert / context / sequence
 parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the chunked loss
 (`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
-through the step's own sharding and loss (`step._sharded`, `step._loss_sum`). The tracker attributes every
+through the step's own sharding and loss (`step.sharded`, `step.loss_sum`). The tracker attributes every
 storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
 buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
 
@@ -268,8 +268,8 @@ def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker) 
             tracker.reset_mod_stats()  # per-module statistics only (they refuse a second forward of the root)
         if isinstance(model, FSDPModule):  # reduce-scatter after the last only
             model.set_requires_gradient_sync(index == len(batches) - 1)
-        with step_lib._sharded(ctx, batch) as (input_ids, labels, positions), step_lib._loss_context(ctx):
-            loss = step_lib._loss_sum(ctx, model, input_ids, labels, positions, router)
+        with step_lib.sharded_batch(ctx, batch) as (input_ids, labels, positions), step_lib.loss_context(ctx):
+            loss = step_lib.loss_sum(ctx, model, input_ids, labels, positions, router)
             (loss / tokens).backward()
     if ctx.meshes.tp is not None:
         all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), ctx.runtime.device)

@@ -55,7 +55,7 @@ def materialize_shards(model, on_meta, parameters_on: torch.device, compute_on: 
 
     def deliver(names, full):
         for name in names:
-            _fill(params[name], full)
+            fill(params[name], full)
 
     on_meta.fill(deliver)
     with torch.no_grad():
@@ -69,7 +69,7 @@ def _unwrapped_name(name: str) -> str:
 
 
 @torch.no_grad()
-def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+def fill(param: torch.Tensor, full: torch.Tensor) -> None:
     """`param`'s piece of the full value: a DTensor's local shard (torch.chunk's split, FSDP2's and TP's), a
     plain tensor whole."""
     if isinstance(param, DTensor):

@@ -169,8 +169,8 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
         if isinstance(model, FSDPModule):  # reduce-scatter after the last only
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         # The backward runs inside: checkpointed layers re-run CP/SP attention on these shards.
-        with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
-            yield _loss_sum(ctx, model, input_ids, labels, positions, router)
+        with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
+            yield loss_sum(ctx, model, input_ids, labels, positions, router)
 
     loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
                                     sum_dtype=torch.float64)
@@ -181,7 +181,7 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
 
 
 @contextlib.contextmanager
-def _sharded(ctx: Context, batch: Batch):
+def sharded_batch(ctx: Context, batch: Batch):
     """This rank's (input_ids, labels, position_ids) of `batch`: a sequence slice under cp or sp, else all of it."""
     device = ctx.runtime.device
     if ctx.sp is not None:
@@ -192,7 +192,7 @@ def _sharded(ctx: Context, batch: Batch):
             yield tensors
 
 
-def _loss_context(ctx: Context):
+def loss_context(ctx: Context):
     """torch's loss_parallel around a loss on vocabulary-sharded logits, its forward and backward: the
     cross-entropy then reduces over the tp group, and no rank gathers a full-vocabulary row."""
     if not ctx.logits_sharded:
@@ -208,7 +208,7 @@ def _sum_over_tokens(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
     return tensor.div_(tp_size)
 
 
-def _loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
+def loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
     """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
     replicated loss). The forward only: a backward runs outside `_mixed_precision`."""
     with _mixed_precision(ctx, model):
@@ -273,8 +273,8 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once."""
     ctx = state.ctx
     state.model.eval()
-    with _sharded(ctx, batch) as (input_ids, labels, positions), _loss_context(ctx):
-        loss = _loss_sum(ctx, state.model, input_ids, labels, positions).item()
+    with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
+        loss = loss_sum(ctx, state.model, input_ids, labels, positions).item()
     _reshard(state.model)
     return {"loss_sum": _all_reduce_sum([loss if ctx.counts_loss else 0.0], ctx.runtime.device)[0]}
 
@@ -299,7 +299,7 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     take the same path."""
     ctx = state.ctx
     state.model.eval()
-    with _sharded(ctx, batch) as (input_ids, _, positions), _mixed_precision(ctx, state.model):
+    with sharded_batch(ctx, batch) as (input_ids, _, positions), _mixed_precision(ctx, state.model):
         logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()

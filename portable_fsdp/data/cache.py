@@ -269,12 +269,12 @@ def _check_text_column(dataset, src: Source) -> None:
     feature = dataset.features[src.column]
     if getattr(feature, "dtype", None) in ("string", "large_string"):
         return
-    from portable_fsdp.data.rows import _not_text
+    from portable_fsdp.data.rows import not_text
 
     for start in range(0, len(dataset), 1000):
         for offset, value in enumerate(dataset[start:start + 1000][src.column]):
             if not isinstance(value, str):
-                raise BadRow(start + offset, _not_text(value, src.column))
+                raise BadRow(start + offset, not_text(value, src.column))
 
 
 def _write_stream(mapped, directory: pathlib.Path, dtype: np.dtype, chat: bool) -> tuple:

@@ -48,7 +48,7 @@ class RowEncoder:
             return self._encode_chats(values, rows)
         for value, row in zip(values, rows):
             if not isinstance(value, str):
-                raise BadRow(row, _not_text(value, self.column))
+                raise BadRow(row, not_text(value, self.column))
         keep = [bool(value) or not self.skip_empty for value in values]
         encoded = iter(self.tokenizer.encode_each([value for value, k in zip(values, keep) if k]))
         return [next(encoded) if k else np.zeros(0, np.int32) for k in keep], None
@@ -72,7 +72,7 @@ class RowEncoder:
         return ids, masks
 
 
-def _not_text(value, column: str) -> str:
+def not_text(value, column: str) -> str:
     if value is None:
         return f"has no text in column {column!r} (null); drop the row or give it text"
     return f"holds {type(value).__name__} {str(value)[:40]!r} in column {column!r}, not text"
