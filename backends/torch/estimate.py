@@ -5,7 +5,7 @@
 ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), float8, tensor / expert / context / sequence
 parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the chunked loss
 (`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
-through the step's own sharding and loss (`step.sharded`, `step.loss_sum`). The tracker attributes every
+through the step's own sharding and loss (`step.sharded_batch`, `step.loss_sum`). The tracker attributes every
 storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
 buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
 
