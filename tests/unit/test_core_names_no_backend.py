@@ -14,7 +14,10 @@ BACKEND_PACKAGES = set(BACKENDS.values())
 
 
 def core_modules():
-    return sorted(p for p in (ROOT / "portable_fsdp").rglob("*.py") if p.name not in NAMES_LIVE_HERE)
+    """Every module of the package but the backends' and the recipes' (user data)."""
+    package = ROOT / "portable_fsdp"
+    return sorted(p for p in package.rglob("*.py") if p.name not in NAMES_LIVE_HERE
+                  and p.relative_to(package).parts[0] not in ("backends", "configs"))
 
 
 def _constants(node) -> set:
