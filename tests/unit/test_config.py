@@ -320,7 +320,7 @@ def test_python_values_reach_the_config_as_the_command_line_writes_them():
 def test_big_model_recipes_save_sharded_and_export_full_at_the_end(recipe):
     import importlib
 
-    module = importlib.import_module(f"configs.{recipe}")
+    module = importlib.import_module(f"portable_fsdp.configs.{recipe}")
     assert base_config().train.export_full_at_end is False
     for variant in module.VARIANTS:
         config = module.get_config(variant)
