@@ -6,8 +6,8 @@
     exported = export(backend, state, workdir, info)             # <workdir>/export: FULL weights, no optimizer
 
 The training loop, the Python API (`portable_fsdp.save` / `portable_fsdp.load`) and benchmarks/checkpoint_io.py
-all go through here. Each process writes its own files (`Backend.save_checkpoint`, `Backend.export_weights`) into
-a staging directory and reports them, checksummed; rank 0 commits
+all go through here. Each process writes its own files (`Backend.save_checkpoint`, `Backend.export_weights`: which
+files, portable_fsdp/checkpoint_files.py) into a staging directory and reports them, checksummed; rank 0 commits
 (portable_fsdp/checkpointing.py: manifest last, then the rename and `latest`), so a half-written checkpoint is never
 taken for a complete one. With train.async_save the write and the commit finish in the background
 (portable_fsdp/async_save.py). A resume verifies every file's size, then each process's share of the checksums
