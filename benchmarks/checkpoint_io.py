@@ -7,9 +7,10 @@ rate moves between minutes).
     python -m benchmarks.checkpoint_io --quick    # a tiny model: checks the script works, measures nothing
 
 The workers start under torchrun and run the product's own code: `backend.init`, one training step (AdamW's state
-then exists), `loop.save` (stage, write, each rank checksumming its files, barriers, rank 0's commit of the
-manifest) and `loop._resume` (each rank's share of the checksums, the load). The files are dropped from the page
-cache (posix_fadvise DONTNEED, after their fsync) before the resume reads them, as a fresh job would find them.
+then exists), `checkpoint_session.save` (stage, write, each rank checksumming its files, barriers, rank 0's commit
+of the manifest) and `checkpoint_session.resume` (each rank's share of the checksums, the load). The files are
+dropped from the page cache (posix_fadvise DONTNEED, after their fsync) before the resume reads them, as a fresh job
+would find them.
 The raw rate: one process writes the checkpoint's byte count in 64 MiB blocks and fsyncs (`dd conv=fsync`), drops
 it from the cache, reads it back. "x raw" is the save (resume) time over the raw write (read) time of its bytes:
 1.0 would be the disk's speed. Then the step time a save costs: STEPS training steps with a SHARDED save after the
@@ -119,7 +120,7 @@ def _against_the_disk(backend, state, config, plan, spec, results):
     """Each layout's save and resume, timed, and (rank 0) the raw write and read of as many bytes right after, in
     DISK_ROUNDS rounds: the disk's rate moves between minutes, so each save is set against the raw rate of its own
     round."""
-    from portable_fsdp import checkpointing, loop
+    from portable_fsdp import checkpoint_session, checkpointing
 
     rank = backend.placement(state).rank
     for round_ in range(spec["disk_rounds"]):
@@ -127,15 +128,15 @@ def _against_the_disk(backend, state, config, plan, spec, results):
             workdir = pathlib.Path(spec["workdir"]) / layout
             layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
             state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
-            info = loop._manifest_info(config, layout_plan, "cpu", backend.placement(state))
+            info = checkpoint_session.manifest_info(config, layout_plan, "cpu", backend.placement(state))
             backend.barrier(state)
             began = time.perf_counter()
-            final = loop.save(backend, state, workdir, info, keep_last_n=1, is_main=rank == 0)
+            final = checkpoint_session.save(backend, state, workdir, info, keep_last_n=1)
             save_s = time.perf_counter() - began
             _drop_cache(_files(final))
             backend.barrier(state)
             began = time.perf_counter()
-            state = loop._resume(backend, state, final, config, "cpu")
+            state = checkpoint_session.resume(backend, state, final, config, "cpu")
             backend.barrier(state)
             resume_s = time.perf_counter() - began
             manifest = checkpointing.read_manifest(final)
@@ -160,11 +161,11 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     the state to host memory during that step), and the wait for the commit once the steps are done."""
     import copy
 
-    from portable_fsdp import async_save, loop
+    from portable_fsdp import async_save, checkpoint_session
 
     where = backend.placement(state)
     sharded_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)["SHARDED_STATE_DICT"])
-    info = loop._manifest_info(config, sharded_plan, "cpu", where)
+    info = checkpoint_session.manifest_info(config, sharded_plan, "cpu", where)
     index = 1
 
     def timed(mode: str) -> dict:
@@ -181,8 +182,7 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
             index += 1
             if i == 0 and mode != "none":
                 called = time.perf_counter()
-                loop.save(backend, state, pathlib.Path(spec["workdir"]) / mode, info, keep_last_n=1,
-                          is_main=where.rank == 0)
+                checkpoint_session.save(backend, state, pathlib.Path(spec["workdir"]) / mode, info, keep_last_n=1)
                 in_save = time.perf_counter() - called
         waited = time.perf_counter()
         async_save.finish()  # committed before the clock stops

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from portable_fsdp import backends, checkpointing, loop
+from portable_fsdp import backends, checkpoint_session, checkpointing
 from portable_fsdp.config import apply_override, command_line_text, load_recipe
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
@@ -96,11 +96,11 @@ class Batches:
 def save(backend, state, workdir, config, plan: ShardingPlan, backend_name: str | None = None,
          keep_last_n: int = 0) -> pathlib.Path:
     """Write a checkpoint of `state` as the loop does (every rank calls it): workdir/checkpoints/step_N, committed
-    atomically, `latest` pointing at it. `backend_name`: the name the backend was loaded as (default: the module's
-    first name, e.g. cpu for the torch lowering). Returns the checkpoint's directory."""
-    where = backend.placement(state)
-    info = loop._manifest_info(config, plan, _name_of(backend, backend_name), where)
-    return loop.save(backend, state, pathlib.Path(workdir), info, keep_last_n, where.rank == 0)
+    atomically, `latest` pointing at it (portable_fsdp.checkpoint_session.save). `backend_name`: the name the backend
+    was loaded as (default: the module's first name, e.g. cpu for the torch lowering). Returns the checkpoint's
+    directory."""
+    info = checkpoint_session.manifest_info(config, plan, _name_of(backend, backend_name), backend.placement(state))
+    return checkpoint_session.save(backend, state, pathlib.Path(workdir), info, keep_last_n)
 
 
 def _name_of(backend, backend_name: str | None) -> str:
@@ -116,7 +116,7 @@ def load(backend, state, path, config, backend_name: str | None = None):
     checkpoint = path if (path / checkpointing.MANIFEST).exists() else checkpointing.latest(path)
     if checkpoint is None:
         raise UserError("load", f"{path} is neither a checkpoint nor a workdir with one")
-    return loop._resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
+    return checkpoint_session.resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
 
 
 def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1) -> dict | None:

@@ -190,17 +190,20 @@ class Backend(Protocol):
         {"predictions", "labels" (when the batch has them), "logits" (when asked)}."""
 
     def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> dict:
-        """Write this rank's part of a checkpoint into `directory` (which exists): the layout is
-        `portable_fsdp.checkpointing`'s. Returns the files this rank wrote, {path: {"bytes", "sha256"} when
-        hashed while writing, else None}: the loop checksums the others on this rank, right after. With
-        train.async_save, a backend that writes in the background returns a concurrent.futures.Future of that
-        dict instead, once the state is copied (portable_fsdp/async_save.py finishes the save)."""
+        """Write this rank's part of a checkpoint into `directory` (which exists), in the layout of
+        `portable_fsdp.checkpointing`: the product's backends call `portable_fsdp.checkpoint_files.write` with their
+        `checkpoint_files.Writer` (which files, on which process, in which order is decided there). Returns the
+        files this rank wrote, {path: checksum entry when hashed while writing (checkpointing.HashingWriter), else
+        None}: the checkpoint session checksums the others on this rank, right after. With train.async_save, a
+        backend that writes in the background returns a concurrent.futures.Future of that dict instead, once the
+        state is copied (portable_fsdp/async_save.py finishes the save)."""
 
     def export_weights(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write the model as FULL checkpoints hold it, without the optimizer state, into `directory` (which
         exists): the weights in train.save_dtype (safetensors shards + index, streamed as the FULL save does),
-        config.json and generation_config.json; every rank calls it (train.export_full_at_end). Returns the
-        files this rank wrote, as `save_checkpoint` does (never a future)."""
+        config.json and generation_config.json; every rank calls it (train.export_full_at_end;
+        `checkpoint_files.write_export`). Returns the files this rank wrote, as `save_checkpoint` does (never a
+        future)."""
 
     def load_checkpoint(self, state: TrainState, directory: pathlib.Path, manifest: dict) -> TrainState:
         """Restore weights, optimizer state, step and RNG from a verified checkpoint; consumes `state`."""

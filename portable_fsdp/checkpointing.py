@@ -11,7 +11,7 @@ checkpoint loads into memory; training starts only once every share matched.
 Waits around a save or a verification are bounded by `io_timeout_s`: train.collective_timeout_s plus the bytes at a
 conservative IO_BYTES_PER_S, so a 70B model's hundreds of GB never run into a fixed timeout.
 
-Inside a checkpoint, the same on every backend:
+Inside a checkpoint, the same on every backend (which process writes which: portable_fsdp.checkpoint_files):
   model.safetensors + config.json    FULL_STATE_DICT: what `from_pretrained` loads (transformers names); split
                                      into model-0000i-of-0000N.safetensors + model.safetensors.index.json above
                                      train.max_shard_size (safetensors_shards), in train.save_dtype

@@ -1,25 +1,18 @@
 """The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
 
-It drives any module that fulfils `portable_fsdp.backend.Backend`.
+It drives any module that fulfils `portable_fsdp.backend.Backend`; its checkpoints are saved, resumed and
+exported through portable_fsdp.checkpoint_session.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import functools
-import json
 import pathlib
-import shutil
 import statistics
 import sys
-import threading
 import time
 
-from portable_fsdp import async_save, checkpointing, faults, hardware
-from portable_fsdp.backend import Placement
-from portable_fsdp.data.batch import DATA_STATE
+from portable_fsdp import async_save, checkpoint_session, checkpointing, faults, hardware
 from portable_fsdp.data.loader import open_data
-from portable_fsdp.data.tokenizers import save_for_generation
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.evaluation import evaluate, resolve_metrics
 from portable_fsdp.interrupts import InterruptFlag
@@ -69,9 +62,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     info = backend.model_info(state)
     batches, evals = open_data(config, info.vocab_size, where.dp_rank, where.dp_size)
     metrics_fn = resolve_metrics(t.compute_metrics)
-    manifest_info = _manifest_info(config, plan, backend_name, where)
+    manifest_info = checkpoint_session.manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
-        state = _resume(backend, state, checkpointing.latest(workdir), config, backend_name)
+        state = checkpoint_session.resume(backend, state, checkpointing.latest(workdir), config, backend_name)
         batches.restore(checkpointing.latest(workdir), state.step)  # a streamed corpus: where it stood
     elif t.resume and is_main:  # e.g. the first start of a job that always passes resume=true
         print(f"warning: train.resume=true but {workdir} holds no checkpoint to resume from; starting from step 0",
@@ -128,9 +121,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             stop_reason = "interrupted"
         due = (t.save_every and done % t.save_every == 0) or done == t.steps or stop_reason
         if due or (improved and t.load_best_model_at_end):
-            saved = save(backend, state, workdir, manifest_info, t.keep_last_n, is_main,
-                         best=dataclasses.asdict(best) if improved and t.load_best_model_at_end else None,
-                         data_state=batches.state_at(done))
+            new_best = dataclasses.asdict(best) if improved and t.load_best_model_at_end else None
+            saved = checkpoint_session.save(backend, state, workdir, manifest_info, t.keep_last_n, best=new_best,
+                                            data_state=batches.state_at(done))
         if interrupted:
             progress.close()
             raise Interrupted(interrupt.requested or "a signal on another rank", saved)
@@ -140,7 +133,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     async_save.finish()
     end_step = state.step
     if t.load_best_model_at_end and checkpointing.best(workdir):
-        state = _resume(backend, state, checkpointing.best(workdir), config, backend_name)
+        state = checkpoint_session.resume(backend, state, checkpointing.best(workdir), config, backend_name)
     exported = None
     if t.export_full_at_end and (end_step == t.steps or (stop_reason or "").startswith("early stopping")):
         if plan.state_dict_type.value == "FULL_STATE_DICT":
@@ -148,7 +141,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
                 print(f"warning: train.export_full_at_end has nothing to do with FULL_STATE_DICT: the last checkpoint "
                       f"({saved}) is already what from_pretrained loads", file=sys.stderr, flush=True)
         else:  # the weights of the state trained (the best model's with train.load_best_model_at_end)
-            exported = export(backend, state, workdir, manifest_info, is_main)
+            exported = checkpoint_session.export(backend, state, workdir, manifest_info)
     if step_times:
         # against typical steps: the first one (lazy initialisation, first allocations) is no yardstick
         typical = statistics.median(step_times) * len(step_times)
@@ -168,133 +161,6 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     if is_main:
         print(summary(result), flush=True)
     return result
-
-
-def _resume(backend, state, path: pathlib.Path, config, backend_name: str):
-    """Every rank checks every file's size, then checksums its share of the bytes in a thread while the checkpoint
-    loads (the load only fills memory, and hashing releases the interpreter's lock): training starts only once
-    every rank's share has matched."""
-    where = backend.placement(state)
-    try:
-        manifest, problem = checkpointing.verify_sizes(path), None
-    except UserError as err:
-        manifest, problem = None, err
-    _stop_together(backend, state, config, problem, path)  # before the load's collectives
-    checkpointing.check_compatible(manifest, config, backend_name)
-    dtype = manifest.get("weights_dtype", "float32")
-    if dtype != "float32" and where.rank == 0:
-        print(f"warning: {path.name} holds its weights in {dtype} (train.save_dtype): they are cast back to the "
-              "training dtype, so this resume is not bit-exact", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-verify") as pool:
-        checking = pool.submit(checkpointing.verify_checksums, path, manifest, where.rank, where.processes, stop)
-        try:
-            state = backend.load_checkpoint(state, path, manifest)
-        except BaseException as err:  # dcp's CheckpointException is not an Exception
-            stop.set()
-            if isinstance(err, (KeyboardInterrupt, SystemExit, Interrupted)):
-                raise
-            # bytes that do not parse: a corrupt file is named, whichever rank's share it is in
-            found = checking.exception()
-            if found is None:
-                checkpointing.verify_checksums(path, manifest)
-                raise
-            raise found from None
-        problem = checking.exception()
-    _stop_together(backend, state, config, problem, path)
-    return state
-
-
-def _stop_together(backend, state, config, problem: UserError | None, path: pathlib.Path) -> None:
-    """A file found corrupt by one rank stops every rank, with its line on the rank that found it."""
-    if backend.placement(state).processes > 1:
-        backend.barrier(state, timeout_s=_io_timeout(backend, state, config.train))
-        if backend.any_rank(state, problem is not None) and problem is None:
-            problem = UserError("train.resume", f"another rank found a file of {path} that does not match its "
-                                f"checksum in {checkpointing.MANIFEST} (its line names it); resume from another checkpoint")
-    if problem:
-        raise problem
-
-
-def _io_timeout(backend, state, train) -> float:
-    """The bound on every wait around a save or a verification: the same number on every rank."""
-    return checkpointing.wait_bound_s(backend.model_info(state).n_params, train["collective_timeout_s"])
-
-
-def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int, is_main: bool,
-         best: dict | None = None, data_state: dict | None = None) -> pathlib.Path:
-    """Stage, write (each rank checksumming its own files), then commit atomically on rank 0 (see
-    portable_fsdp.checkpointing). The waits allow for the bytes to write (checkpointing.io_timeout_s).
-    `data_state`: the loader's position (a streamed corpus), kept as data_state.json."""
-    async_save.finish()  # a save still in flight (train.async_save) is committed before the next is staged
-    rank = backend.placement(state).rank
-    timeout = _io_timeout(backend, state, info["config"]["train"])
-    staging = checkpointing.staging_dir(workdir, state.step)
-    if is_main:
-        checkpointing.prepare_staging(workdir, state.step)
-    backend.barrier(state, timeout_s=timeout)
-    faults.check("save.staged", rank, state.step)
-    result = backend.save_checkpoint(state, staging)
-    in_background = result if isinstance(result, concurrent.futures.Future) else None  # train.async_save
-    written = dict((None if in_background else result) or {})
-    if is_main:  # what pipeline("text-generation", model=<checkpoint>) needs besides the model
-        written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
-        if data_state is not None:
-            (staging / DATA_STATE).write_text(json.dumps(data_state) + "\n")
-            written[staging / DATA_STATE] = None
-    final = checkpointing.root(workdir) / f"step_{state.step:08d}"
-    commit = functools.partial(_commit, workdir, final, state.step, info, keep_last_n, best) if is_main else None
-    if in_background:  # reported when written; rank 0 commits once every rank has reported (async_save.py)
-        async_save.start(in_background, staging, rank, state.step, written, backend.placement(state).processes,
-                         timeout, commit)
-        return final
-    checkpointing.write_report(staging, rank, written)
-    faults.check("save.written", rank, state.step)
-    backend.barrier(state, timeout_s=timeout)
-    if commit:
-        commit()
-    backend.barrier(state, timeout_s=timeout)
-    return final
-
-
-def export(backend, state, workdir: pathlib.Path, info: dict, is_main: bool) -> pathlib.Path:
-    """train.export_full_at_end: the model as a FULL checkpoint holds it, without optimizer state, into
-    <workdir>/export; staged and renamed as a save is, with a manifest (checkpointing.commit_export)."""
-    rank = backend.placement(state).rank
-    timeout = _io_timeout(backend, state, info["config"]["train"])
-    staging = checkpointing.export_staging(workdir)
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    backend.barrier(state, timeout_s=timeout)
-    written = dict(backend.export_weights(state, staging))
-    if is_main:
-        written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
-    checkpointing.write_report(staging, rank, written)
-    backend.barrier(state, timeout_s=timeout)
-    if is_main:
-        checkpointing.commit_export(workdir, {**info, "state_dict_type": "FULL_STATE_DICT",
-                                              "step": state.step, "export": True,
-                                              "weights_dtype": info["config"]["train"]["save_dtype"]})
-    backend.barrier(state, timeout_s=timeout)
-    return pathlib.Path(workdir) / checkpointing.EXPORT
-
-
-def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, keep_last_n: int,
-            best: dict | None) -> None:
-    """Rank 0, once every rank has written and reported its files."""
-    if best:  # before the commit prunes, so the new best is spared
-        checkpointing.mark_best(workdir, final, best)
-    if info["state_dict_type"] == "FULL_STATE_DICT":
-        info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
-    checkpointing.commit(workdir, step, info, keep_last_n)
-
-
-def _manifest_info(config, plan, backend_name: str, where: Placement) -> dict:
-    return {"backend": backend_name, "world_size": where.world_size,
-            "state_dict_type": plan.state_dict_type.value,
-            "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
-            "config": config.to_dict()}
 
 
 def _summary(backend_name, where, start, end, seconds, step_times, first_loss, last, evaluated, saved,

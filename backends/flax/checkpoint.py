@@ -1,4 +1,5 @@
-"""Checkpoints of the Flax lowering (layout: portable_fsdp.checkpointing).
+"""Checkpoints of the Flax lowering (layout: portable_fsdp.checkpointing; which files each process writes, and in
+which order: portable_fsdp.checkpoint_files, given this module's `_Writer`).
 
 FULL_STATE_DICT, in the torch backends' format: `model.safetensors` (or shards of train.max_shard_size +
 model.safetensors.index.json, in train.save_dtype) + `config.json` + `generation_config.json`: a directory
@@ -21,45 +22,55 @@ import numpy as np
 
 from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes, sharded
 from portable_fsdp.backends.flax.sharding import place_all
-from portable_fsdp import checkpointing, safetensors_shards
+from portable_fsdp import checkpoint_files, checkpointing, safetensors_shards
 from portable_fsdp.backends.flax.step import TrainState
 from portable_fsdp.plan import StateDictType
 
 
 def save_checkpoint(state: TrainState, directory: pathlib.Path):
-    """FULL: every process gathers each weight and the moments (collectives); the weights' shard files are written
-    by the process owning each (safetensors_shards), the rest by process 0. SHARDED: every process writes its own
-    shards (sharded.py; a future of its files with train.async_save). Returns {path: checksum or None} of the
-    files this process wrote."""
-    directory = pathlib.Path(directory)
-    if state.ctx.plan.state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        return sharded.save(state, directory, _model_config(state, directory))
-    written = _save_weights(state, directory)
-    optimizer_state = _torch_optimizer_state(state)
-    if jax.process_index() != 0:
-        return written
-    written.update(_model_config(state, directory))
-    import torch
-
-    with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
-        torch.save(optimizer_state, f)
-    written[f.path] = f.digest
-    return written
+    """Every process; `directory` exists (process 0 made it). FULL: every process gathers each weight and the
+    moments (collectives); the weights' shard files are written by the process owning each, the rest by process 0.
+    SHARDED: every process writes its own shards (sharded.py; a future of its files with train.async_save).
+    Returns {path: checksum or None} of the files this process wrote. Which files: portable_fsdp.checkpoint_files."""
+    return checkpoint_files.write(_Writer(state), directory)
 
 
 def export_weights(state: TrainState, directory: pathlib.Path) -> dict:
     """The weights and model config of a FULL checkpoint, without the optimizer state (train.export_full_at_end,
     at the end of a SHARDED run)."""
-    directory = pathlib.Path(directory)
-    return {**_save_weights(state, directory), **_model_config(state, directory)}
+    return checkpoint_files.write_export(_Writer(state), directory)
 
 
-def _model_config(state: TrainState, directory: pathlib.Path) -> dict:
-    """Process 0: config.json and generation_config.json (see _write_hf_config); {path: None} of them."""
-    if jax.process_index() != 0:
-        return {}
-    _write_hf_config(state.ctx.hf_config, state.ctx.info.root_class, directory, state.ctx.config.train.save_dtype)
-    return {directory / name: None for name in ("config.json", "generation_config.json")}
+class _Writer:
+    """This backend's writers of one state (portable_fsdp.checkpoint_files.Writer)."""
+
+    def __init__(self, state: TrainState):
+        self.state, self.rank = state, jax.process_index()
+        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
+
+    def weights(self, directory: pathlib.Path) -> dict:
+        return _save_weights(self.state, directory)
+
+    def optimizer_state(self) -> dict:
+        return _torch_optimizer_state(self.state)
+
+    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
+        """config.json and generation_config.json, the same beside FULL weights and SHARDED files (see
+        _write_hf_config)."""
+        ctx = self.state.ctx
+        _write_hf_config(ctx.hf_config, ctx.info.root_class, directory, ctx.config.train.save_dtype)
+        return {directory / name: None for name in ("config.json", "generation_config.json")}
+
+    def sharded(self, directory: pathlib.Path):
+        return sharded.save(self.state, directory)
+
+    def rng_state(self) -> None:
+        return None  # training draws no random numbers
+
+    def torch_save(self, obj, file) -> None:
+        import torch
+
+        torch.save(obj, file)
 
 
 def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:

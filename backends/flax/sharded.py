@@ -25,10 +25,10 @@ import orbax.checkpoint as ocp
 from portable_fsdp import checkpointing
 
 
-def save(state, directory: pathlib.Path, written: dict):
-    """Every process: its shards into `directory`/sharded. Returns {path: None} of the files this process wrote
-    (checksummed by the loop), `written` included; with train.async_save, a future of it."""
-    sharded = pathlib.Path(directory) / checkpointing.SHARDED
+def save(state, sharded: pathlib.Path):
+    """Every process: its shards into `sharded` (a checkpoint's sharded/). Returns {path: None} of the files this
+    process wrote (checksummed by the checkpoint session); with train.async_save, a future of it."""
+    sharded = pathlib.Path(sharded)
     train = state.ctx.config.train
     timeout = checkpointing.wait_bound_s(state.ctx.info.n_params, train.collective_timeout_s)
     checkpointer = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(),
@@ -37,7 +37,7 @@ def save(state, directory: pathlib.Path, written: dict):
 
     def finish() -> dict:
         checkpointer.close()  # waits for the write and orbax's rename; raises the write's error
-        return {**written, **{path: None for path in _files_of(sharded, jax.process_index())}}
+        return {path: None for path in _files_of(sharded, jax.process_index())}
 
     if not train.async_save:
         return finish()

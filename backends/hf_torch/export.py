@@ -1,5 +1,6 @@
 """What the torch-based backends (cpu/cuda, xla) share to write a FULL checkpoint as `save_pretrained` would:
-tensors as the raw bytes portable_fsdp.safetensors_shards writes, and config.json + generation_config.json."""
+tensors as the raw bytes portable_fsdp.safetensors_shards writes, and config.json + generation_config.json
+(`model_config`: their checkpoint_files.Writer's)."""
 from __future__ import annotations
 
 import copy
@@ -58,3 +59,12 @@ def write_model_config(model, model_class: str, directory: pathlib.Path, save_dt
         generation.save_pretrained(directory)
         written[directory / "generation_config.json"] = None
     return written
+
+
+def model_config(model, model_class: str, directory: pathlib.Path, save_dtype: str, full: bool) -> dict:
+    """A checkpoint's model config (portable_fsdp.checkpoint_files.Writer.model_config): beside FULL weights,
+    `write_model_config`'s files; beside SHARDED files, the model's config.json as it is. Returns {path: None}."""
+    if full:
+        return write_model_config(model, model_class, directory, save_dtype)
+    model.config.save_pretrained(directory)
+    return {pathlib.Path(directory) / "config.json": None}

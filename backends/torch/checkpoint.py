@@ -1,14 +1,15 @@
-"""Writing and reading the torch backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing).
+"""Writing and reading the torch backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing;
+which files each rank writes, and in which order: portable_fsdp.checkpoint_files, given this module's `_Writer`).
 
 FULL_STATE_DICT: the weights as `save_pretrained` writes them (model.safetensors, or shards of at most
 train.max_shard_size + model.safetensors.index.json, in train.save_dtype) + config.json + generation_config.json,
 a directory `from_pretrained` loads outside FSDP; streamed: each parameter is gathered in turn (`full_tensor`, a
 collective), and the rank owning its shard file copies it to the CPU and appends it to the file, hashing it on the
-way; no rank ever holds the whole model. `optimizer.pt`: gathered to rank 0's CPU first, then written there in a
-thread while the weights stream (their files go to the other ranks first: safetensors_shards). SHARDED_STATE_DICT:
-every rank writes its shards with torch.distributed.checkpoint under `sharded/` (read back through
-`checkpoint_reader.Reader`: each tensor's bytes straight into place). Both add `rng/rank_*.pt` per rank.
-`save_checkpoint` returns the files this rank wrote, with their checksums where they were hashed while written.
+way; no rank ever holds the whole model. `optimizer.pt`: torch's full optimizer state dict, gathered to rank 0's
+CPU. SHARDED_STATE_DICT: every rank writes its shards with torch.distributed.checkpoint under `sharded/`
+(sharded_writer; in a writer process of its own with train.async_save: save_process), read back through
+`checkpoint_reader.Reader` (each tensor's bytes straight into place). Both: `rng/rank_*.pt`, torch's CPU (and CUDA)
+RNG state per rank.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from portable_fsdp.backends.torch.dtensors import full_value
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
 from portable_fsdp.backends.torch.model import fill
 from portable_fsdp.backends.torch.tensor_parallel import sync_rng
-from portable_fsdp import checkpointing, safetensors_shards
+from portable_fsdp import checkpoint_files, checkpointing, safetensors_shards
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
@@ -41,54 +42,45 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def save_checkpoint(state, directory: pathlib.Path):
     """Every rank calls this; `directory` exists (rank 0 made it). Returns {path: checksum or None} of this
-    rank's files (a future of them with train.async_save: SHARDED only)."""
-    directory = pathlib.Path(directory)
-    rank = dist.get_rank()
-    written: dict = {}
-    if state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
-        optim_sd = get_optimizer_state_dict(state.model, state.optimizer, options=FULL)  # on rank 0's CPU
-        # rank 0 writes optimizer.pt while the weights stream to the files the other ranks own first
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-optimizer") as pool:
-            optimizer_file = pool.submit(_write_optimizer, optim_sd, directory) if rank == 0 else None
-            del optim_sd
-            written.update(save_full_weights(state.model, directory, state.ctx.config.train))
-            if optimizer_file is not None:
-                written.update(optimizer_file.result())
-        if rank == 0:
-            written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
-                                                     state.ctx.config.train.save_dtype))
-    else:
-        if rank == 0:
-            state.model.config.save_pretrained(directory)
-            written[directory / "config.json"] = None
-    rng_file = checkpointing.rng_file(directory, rank)
-    rng_file.parent.mkdir(exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if state.ctx.runtime.device.type == "cuda" else None}, rng_file)
-    written[rng_file] = None
-    if state.ctx.plan.state_dict_type != StateDictType.FULL_STATE_DICT:
-        return _save_sharded(state, directory / checkpointing.SHARDED, rank, written)
-    return written
-
-
-def _write_optimizer(optim_sd: dict, directory: pathlib.Path) -> dict:
-    with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
-        torch.save(optim_sd, f)
-    return {f.path: f.digest}
+    rank's files (a future of them with train.async_save: SHARDED only). Which files: portable_fsdp.checkpoint_files."""
+    return checkpoint_files.write(_Writer(state), directory)
 
 
 def export_weights(state, directory: pathlib.Path) -> dict:
     """Every rank: the FULL checkpoint's weights and model config, no optimizer state (train.export_full_at_end:
     the export of a SHARDED run). Returns {path: checksum or None} of this rank's files."""
-    directory = pathlib.Path(directory)
-    written = save_full_weights(state.model, directory, state.ctx.config.train)
-    if dist.get_rank() == 0:
-        written.update(export.write_model_config(state.model, state.ctx.info.root_class, directory,
-                                                 state.ctx.config.train.save_dtype))
-    return written
+    return checkpoint_files.write_export(_Writer(state), directory)
 
 
-def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
+class _Writer:
+    """This backend's writers of one state (portable_fsdp.checkpoint_files.Writer)."""
+
+    def __init__(self, state):
+        self.state, self.rank = state, dist.get_rank()
+        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
+
+    def weights(self, directory: pathlib.Path) -> dict:
+        return save_full_weights(self.state.model, directory, self.state.ctx.config.train)
+
+    def optimizer_state(self) -> dict:
+        return get_optimizer_state_dict(self.state.model, self.state.optimizer, options=FULL)  # on rank 0's CPU
+
+    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
+        return export.model_config(self.state.model, self.state.ctx.info.root_class, directory,
+                                   self.state.ctx.config.train.save_dtype, full)
+
+    def sharded(self, directory: pathlib.Path):
+        return _save_sharded(self.state, directory)
+
+    def rng_state(self) -> dict:
+        cuda = self.state.ctx.runtime.device.type == "cuda"
+        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None}
+
+    def torch_save(self, obj, file) -> None:
+        torch.save(obj, file)
+
+
+def _save_sharded(state, sharded: pathlib.Path):
     """torch.distributed.checkpoint's files; with train.async_save, a future of them: the state is copied to host
     memory in a thread while the next step computes its gradients (the step waits for the copy before its update:
     `staged`), then written by this rank's writer process while training goes on."""
@@ -96,21 +88,11 @@ def _save_sharded(state, sharded: pathlib.Path, rank: int, written: dict):
 
     if not state.ctx.config.train.async_save:
         # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
-        return {**written, **sharded_writer.save(bundle, sharded, rank, distributed.slow_group(_io_timeout(state)))}
+        return sharded_writer.save(bundle, sharded, dist.get_rank(), distributed.slow_group(_io_timeout(state)))
     # the copy into host memory overlaps the next step's forward and backward: only its update must wait (`staged`)
     staging = _staging_thread(state.ctx.runtime.device).submit(_stager(state.ctx.runtime.device.type).stage, bundle)
     _staging.append(staging)
-    written_in_background = save_process.submit(staging, str(sharded), _io_timeout(state))
-    result = concurrent.futures.Future()
-
-    def done(future) -> None:
-        try:
-            result.set_result({**written, **future.result()})
-        except BaseException as err:
-            result.set_exception(err)
-
-    written_in_background.add_done_callback(done)
-    return result
+    return save_process.submit(staging, str(sharded), _io_timeout(state))
 
 
 _staging: list = []  # the copy of a background save's state still being made

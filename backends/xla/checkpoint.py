@@ -1,5 +1,6 @@
-"""Writing and reading the xla backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing),
-in the torch backend's formats so a checkpoint moves between backends:
+"""Writing and reading the xla backend's part of a checkpoint directory (layout: portable_fsdp.checkpointing;
+which files each process writes, and in which order: portable_fsdp.checkpoint_files, given this module's
+`_Writer`), in the torch backend's formats so a checkpoint moves between backends:
 
 FULL_STATE_DICT: every shard is gathered (not only the first process's), one parameter at a time, into
 `model.safetensors` (or shards of train.max_shard_size + index, in train.save_dtype: safetensors_shards) +
@@ -18,53 +19,52 @@ import torch_xla.core.xla_model as xm
 
 from portable_fsdp.backends.hf_torch import export
 from portable_fsdp.backends.xla import full_state, runtime as rt, shard_files
-from portable_fsdp import checkpointing, safetensors_shards
+from portable_fsdp import checkpoint_files, checkpointing, safetensors_shards
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(state, directory: pathlib.Path) -> dict:
+def save_checkpoint(state, directory: pathlib.Path):
     """Every process calls this; `directory` exists (process 0 made it). Returns {path: checksum or None} of the
-    files this process wrote."""
-    directory = pathlib.Path(directory)
-    ctx = state.ctx
-    rt.sync()  # the weights read below are those of the last finished step
-    is_main = ctx.runtime.rank == 0
-    written: dict = {}
-    if ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT:
-        written.update(_save_full_weights(state, directory))
-        optimizer = _full_optimizer_state(state)
-        if is_main:
-            with checkpointing.HashingWriter(directory / checkpointing.OPTIMIZER) as f:
-                torch.save(optimizer, f)
-            written[f.path] = f.digest
-            written.update(export.write_model_config(ctx.hf_model, ctx.info.root_class, directory,
-                                                     ctx.config.train.save_dtype))
-    else:
-        written.update(_save_sharded(state, directory / checkpointing.SHARDED))
-        if is_main:
-            ctx.hf_model.config.save_pretrained(directory)
-            written[directory / "config.json"] = None
-    rng_file = checkpointing.rng_file(directory, ctx.runtime.rank)
-    rng_file.parent.mkdir(exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()}, rng_file)
-    written[rng_file] = None
-    return written
+    files this process wrote. Which files: portable_fsdp.checkpoint_files."""
+    rt.sync()  # the weights read are those of the last finished step
+    return checkpoint_files.write(_Writer(state), directory)
 
 
 def export_weights(state, directory: pathlib.Path) -> dict:
     """Every process: the FULL checkpoint's weights and model config, no optimizer state
     (train.export_full_at_end: the export of a SHARDED run). Returns {path: checksum or None} of its files."""
-    directory = pathlib.Path(directory)
-    ctx = state.ctx
     rt.sync()
-    written = _save_full_weights(state, directory)
-    if ctx.runtime.rank == 0:
-        written.update(export.write_model_config(ctx.hf_model, ctx.info.root_class, directory,
-                                                 ctx.config.train.save_dtype))
-    return written
+    return checkpoint_files.write_export(_Writer(state), directory)
+
+
+class _Writer:
+    """This backend's writers of one state (portable_fsdp.checkpoint_files.Writer)."""
+
+    def __init__(self, state):
+        self.state, self.rank = state, state.ctx.runtime.rank
+        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
+
+    def weights(self, directory: pathlib.Path) -> dict:
+        return _save_full_weights(self.state, directory)
+
+    def optimizer_state(self) -> dict:
+        return _full_optimizer_state(self.state)
+
+    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
+        ctx = self.state.ctx
+        return export.model_config(ctx.hf_model, ctx.info.root_class, directory, ctx.config.train.save_dtype, full)
+
+    def sharded(self, directory: pathlib.Path) -> dict:
+        return _save_sharded(self.state, directory)
+
+    def rng_state(self) -> dict:
+        return {"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()}
+
+    def torch_save(self, obj, file) -> None:
+        torch.save(obj, file)
 
 
 def _save_full_weights(state, directory: pathlib.Path) -> dict:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from portable_fsdp import async_save, backends, loop
+from portable_fsdp import async_save, backends, checkpoint_session
 from portable_fsdp.backends.torch import checkpoint
 from portable_fsdp.config import apply_override, load_recipe
 from portable_fsdp.data.loader import TrainBatches, build_token_data
@@ -39,9 +39,9 @@ def main() -> None:
     slowed = lambda bundle: time.sleep(2) or stage(bundle)  # noqa: E731
     checkpoint._stager("cpu").stage = slowed
     before = {name: t.full_tensor().clone() for name, t in get_model_state_dict(state.model).items()}
-    info = loop._manifest_info(config, plan, "cpu", where)
+    info = checkpoint_session.manifest_info(config, plan, "cpu", where)
     began = time.perf_counter()
-    final = loop.save(backend, state, workdir, info, keep_last_n=1, is_main=where.rank == 0)
+    final = checkpoint_session.save(backend, state, workdir, info, keep_last_n=1)
     assert time.perf_counter() - began < 1.5, "the save waited for the copy"
     state, _ = backend.train_step(state, batches.micro_batches(1, where.dp_rank, where.dp_size))
     after = {name: t.full_tensor() for name, t in get_model_state_dict(state.model).items()}

@@ -9,7 +9,7 @@ import pytest
 
 from portable_fsdp import checkpointing, loop
 from portable_fsdp.config import apply_override, load_recipe
-from portable_fsdp.backend import MEMORY_KEYS, ModelInfo
+from portable_fsdp.backend import MEMORY_KEYS, ModelInfo, Placement
 from portable_fsdp.validate import resolve_plan
 from tests.unit._helpers import user_error
 
@@ -32,7 +32,7 @@ class ScriptedBackend:
         return State(step=0)
 
     def placement(self, state):
-        return loop.Placement(rank=0, world_size=1, dp_rank=0, dp_size=1)
+        return Placement(rank=0, world_size=1, dp_rank=0, dp_size=1)
 
     def model_info(self, state):
         return ModelInfo((), (), 1000, 2, 64, 384)
@@ -177,7 +177,7 @@ class LoadingBackend(ScriptedBackend):
         self.loading = threading.Event()
 
     def placement(self, state):
-        return loop.Placement(rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size)
+        return Placement(rank=self.rank, world_size=self.world_size, dp_rank=self.rank, dp_size=self.world_size)
 
     def load_checkpoint(self, state, directory, manifest):
         self.loading.set()

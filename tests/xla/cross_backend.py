@@ -71,7 +71,7 @@ def main() -> None:
     if args.save:
         pathlib.Path(args.save).mkdir(parents=True, exist_ok=True)
         backend.save_checkpoint(state, args.save)
-        # What loop.save's manifest records and the loaders read.
+        # What checkpoint_session.save's manifest records and the loaders read.
         (pathlib.Path(args.save) / "manifest.json").write_text(json.dumps(
             {"backend": args.backend, "world_size": world, "step": state.step}))
         result["saved_eval"] = evaluate(backend, state, evals)["eval_loss"]
