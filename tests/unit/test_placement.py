@@ -1,6 +1,6 @@
 """The placement rules every backend asks (portable_fsdp/placement.py): the mesh axes, the tensor-parallel plan's
 keys as transformers matches them, the dimension each style splits, and FSDP's largest free dimension. That the
-three backends place each family's parameters alike: tests/parity/test_placement.py."""
+three backends place each family's parameters alike: tests/parity/test_placement_across_backends.py."""
 import pytest
 
 from portable_fsdp import placement
