@@ -6,11 +6,8 @@ import math
 
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.errors import UserError
+from portable_fsdp.placement import TP_STYLES
 from portable_fsdp.plan import MeshSpec, ShardingPlan
-
-# Styles a tensor-parallel plan may name (transformers' base_model_tp_plan notation) and what the lowerings do
-# with them: split a layer's outputs (colwise) or its inputs (rowwise), keep a weight whole on every tp rank.
-TP_STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce", "moe_tp_experts")
 
 
 def largest_divisor(n: int, at_most: int) -> int:

@@ -29,7 +29,7 @@ def data_slice(mesh) -> tuple:
     """(dp_rank, dp_size): this process's devices hold whole rows of the mesh (every cp, sp and tp device of them:
     the axes that share a batch row), one contiguous block of the same size on every process, so its slice of
     the batch is rows dp_rank of dp_size."""
-    from portable_fsdp.backends.flax.sharding import DATA_AXES
+    from portable_fsdp.placement import DATA_AXES
 
     row_count = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
     grid = mesh.devices.reshape(row_count, -1)  # the data axes are the outer ones

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from portable_fsdp import placement
 from portable_fsdp.backends.flax import optimizer as optimizer_lib, sharding
 from portable_fsdp.backends.flax.loss import token_loss_sum
 from portable_fsdp.backends.flax.model import ModelDef
@@ -41,8 +42,8 @@ def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, pa
     tokens per device at a time (loss.py); 0 computes the whole batch's logits."""
     layout = sharding.Layout(mesh)
     coef = model_def.arch.router_aux_loss_coef
-    chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, sharding.SEQUENCE_AXES),
-                        sharding.size_of(mesh, sharding.DATA_AXES))
+    chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, placement.SEQUENCE_AXES),
+                        sharding.size_of(mesh, placement.DATA_AXES))
 
     def cast(params):
         return {name: p.astype(compute_dtype) for name, p in params.items()}

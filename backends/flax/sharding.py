@@ -1,20 +1,22 @@
 """The neutral plan lowered to JAX sharding: one Mesh from the MeshSpec, and a PartitionSpec per array.
 
-The mesh has every axis of the plan, outermost first as the MeshSpec orders ranks: dp_replicate, fsdp, ep, cp,
-sp, tp — `ep` being the inner part of the fsdp ranks (fsdp_size = mesh fsdp × ep), so every rank keeps the
-coordinates portable_fsdp.plan gives it. What each axis does is only where arrays are placed; a sharding never
+The mesh has every axis of the plan, outermost first (portable_fsdp.placement.MESH_AXES): dp_replicate, fsdp,
+ep, cp, sp, tp — `ep` being the inner part of the fsdp ranks (fsdp_size = mesh fsdp × ep), so every rank keeps
+the coordinates portable_fsdp.plan gives it. What each axis does is only where arrays are placed; a sharding never
 changes what XLA computes, so every combination computes what one device would:
 
 - FSDP is a placement rule: each parameter (and its AdamW moments) is split along the shard axes — fsdp and ep,
   and cp or sp too when they are larger than 1, as the torch lowering shards over them — on its largest
-  dimension that they divide. XLA gathers a layer's weights where the layer runs and reduce-scatters its
-  gradients. Tensors under MIN_SHARDED_ELEMENTS (norm scales) are not split: gathering them costs more than
-  the memory it saves.
+  dimension that they divide (portable_fsdp.placement.fsdp_dim, the rule every backend shares). XLA gathers a
+  layer's weights where the layer runs and reduce-scatters its gradients. Tensors under
+  placement.MIN_SHARDED_ELEMENTS (norm scales) are not split: gathering them costs more than the memory it
+  saves.
 - HSDP: parameters are not split over dp_replicate (a replica of the sharded model per dp_replicate index);
   the batch's rows are split over dp_replicate × fsdp × ep, so gradients are reduced over all of them.
 - TP: the model's tensor-parallel plan (transformers' notation, `layers.*.self_attn.q_proj: colwise`) names the
-  parameters to split over `tp`: colwise ones on their output dimension, rowwise ones on their input dimension
-  (TP_DIMENSION), with fsdp on another dimension (2-D sharding). XLA all-reduces the rowwise outputs.
+  parameters to split over `tp` (portable_fsdp.placement.tp_dim): colwise ones on their output dimension,
+  rowwise ones on their input dimension, with fsdp on another dimension (2-D sharding); a MoE layer's experts
+  stay whole over tp, as on every backend. XLA all-reduces the rowwise outputs.
 - EP: a MoE layer's expert weights are split on the expert dimension over `ep`; the expert activations are
   constrained to the same split (`Layout.experts`), so XLA moves the tokens to the experts and back.
 - CP and Ulysses SP: the batch's sequence is split over `cp` or `sp`. Under SP, q/k/v inside attention are
@@ -27,40 +29,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from portable_fsdp import placement
 from portable_fsdp.errors import UserError
+from portable_fsdp.placement import DATA_AXES, DP_REPLICATE, EP, FSDP, SEQUENCE_AXES, SHARD_AXES, SP, TP
 from portable_fsdp.plan import MeshSpec
 
-DP_REPLICATE, FSDP, EP, CP, SP, TP = "dp_replicate", "fsdp", "ep", "cp", "sp", "tp"
-AXES = (DP_REPLICATE, FSDP, EP, CP, SP, TP)  # outermost first, as MeshSpec.coordinates orders ranks
-DATA_AXES = (DP_REPLICATE, FSDP, EP)  # devices that read different rows of the batch
-SEQUENCE_AXES = (CP, SP)  # devices that read different tokens of a row
-SHARD_AXES = (FSDP, EP, CP, SP)  # what FSDP splits parameters over (not dp_replicate: HSDP replicas)
-MIN_SHARDED_ELEMENTS = 1024
 EXPERTS = ".experts."  # a MoE layer's expert weights carry this in their name; their first dimension is the expert
-
-# Which dimension of a flax parameter each tensor-parallel style splits. Kernels are [..., in, out] (torch's
-# Linear is [out, in]), an embedding [vocab, hidden] (as torch's: transformers' rowwise embedding splits the
-# vocabulary), a bias [out]. Styles naming a whole module (moe_tp_experts) or keeping a weight whole
-# (replicated_with_grad_allreduce) split nothing: a sharding has no hooks to install.
-TP_DIMENSION = {"colwise": -1, "packed_colwise": -1, "rowwise": -2}
+BASE_MODEL = "model."  # the prefix of the base model's parameters: tp-plan keys are relative to it
 
 
 def build_mesh(spec: MeshSpec, devices) -> Mesh:
     """The devices laid out as the plan's axes, tp innermost; `spec` is resolved."""
-    sizes = sizes_of(spec)
+    sizes = placement.axis_sizes(spec)
     grid = np.asarray(devices[: math.prod(sizes.values())]).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))
-
-
-def sizes_of(spec: MeshSpec) -> dict:
-    return {DP_REPLICATE: spec.dp_replicate_size, FSDP: spec.fsdp_size // spec.ep_size, EP: spec.ep_size,
-            CP: spec.cp_size, SP: spec.sp_size, TP: spec.tp_size}
 
 
 def split_over(mesh: Mesh, axes) -> tuple:
@@ -78,37 +65,35 @@ def size_of(mesh: Mesh, axes) -> int:
 
 
 def param_spec(shape: tuple, shard_size: int, axes=FSDP, fixed: dict | None = None) -> PartitionSpec:
-    """`fixed` dimensions (dim -> entry: tp, ep) as given; `axes` (of `shard_size` devices) on the largest other
-    dimension they divide, the first of equals; small tensors get only their fixed dimensions."""
+    """`fixed` dimensions (dim -> entry: tp, ep) as given; `axes` (of `shard_size` devices) on the dimension
+    placement.fsdp_dim picks (small tensors, or none it divides: only their fixed dimensions)."""
     fixed = {d % len(shape): e for d, e in (fixed or {}).items()} if shape else {}
     spec = [fixed.get(d) for d in range(len(shape))]
-    free = [d for d in range(len(shape)) if d not in fixed and shape[d] % shard_size == 0]
-    if shard_size > 1 and free and math.prod(shape) >= MIN_SHARDED_ELEMENTS:
-        spec[max(free, key=lambda d: (shape[d], -d))] = axes
+    target = placement.fsdp_dim(shape, shard_size, fixed) if shard_size > 1 else None
+    if target is not None:
+        spec[target] = axes
     return PartitionSpec(*spec)
 
 
-def tp_style(torch_name: str, tp_plan: dict) -> str | None:
-    """The style the plan gives a parameter, by transformers' rule: a pattern (relative to the base model, `*`
-    a layer index) names the parameter itself (`layers.*.mlp.experts.down_proj`) or the module holding it
-    (`layers.*.self_attn.q_proj` for its weight and bias)."""
-    name = torch_name.removeprefix("model.")
-    candidates = (name, name.rpartition(".")[0])
-    for candidate in candidates:
-        for pattern, style in tp_plan.items():
-            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), candidate):
-                return style
-    return None
+def tp_dim(torch_name: str, ndim: int, tp_plan: dict) -> int | None:
+    """The dimension of a flax parameter the plan splits over tp (placement.tp_dim): kernels are [..., in, out]
+    (torch's Linear is [out, in]), an embedding [vocab, hidden], fused experts [experts, ..., in, out]."""
+    if not torch_name.startswith(BASE_MODEL):
+        return None  # the output projection: outside the base model the keys are relative to
+    return placement.tp_dim(tp_plan, torch_name.removeprefix(BASE_MODEL), ndim, in_out=True)
 
 
 def param_shardings(shapes: dict, mesh: Mesh, tp_plan: dict | None = None, torch_name=lambda n: n) -> dict:
     """{flax name: NamedSharding}. `torch_name` maps a flax name to the transformers name the tp plan's
     patterns are written against."""
-    placed = {name: NamedSharding(mesh, _spec(name, tuple(s.shape), mesh, tp_plan or {}, torch_name))
+    tp_plan = (tp_plan or {}) if mesh.shape[TP] > 1 else {}
+    placement.check_parameter_keys(tp_plan, [n.removeprefix(BASE_MODEL) for n in map(torch_name, shapes)
+                                             if n.startswith(BASE_MODEL)])
+    placed = {name: NamedSharding(mesh, _spec(name, tuple(s.shape), mesh, tp_plan, torch_name))
               for name, s in shapes.items()}
     if mesh.shape[TP] > 1 and not any(TP in str(s.spec) for s in placed.values()):
         raise UserError("plan.tp_plan", (
-            f"names none of the model's parameters ({', '.join(sorted(tp_plan or {})) or 'it is empty'}), so "
+            f"names none of the model's parameters ({', '.join(sorted(tp_plan)) or 'it is empty'}), so "
             f"plan.tp_size={mesh.shape[TP]} would split nothing; write patterns like 'layers.*.self_attn.q_proj'"))
     return placed
 
@@ -119,13 +104,12 @@ def _spec(name: str, shape: tuple, mesh: Mesh, tp_plan: dict, torch_name) -> Par
     if EXPERTS in name and mesh.shape[EP] > 1:
         fixed[0] = EP
         shard_axes = tuple(a for a in shard_axes if a != EP)
-    style = tp_style(torch_name(name), tp_plan) if mesh.shape[TP] > 1 else None
-    if style in TP_DIMENSION and (len(shape) > 1 or style != "rowwise"):  # a rowwise bias is added whole
-        dim = TP_DIMENSION[style] if len(shape) > 1 else -1
+    dim = tp_dim(torch_name(name), len(shape), tp_plan)
+    if dim is not None:
         if shape[dim] % mesh.shape[TP]:
             raise UserError("plan.tp_size", (
-                f"{mesh.shape[TP]} does not divide {torch_name(name)}'s {style} dimension ({shape[dim]}); use a "
-                "tp_size that divides it, or leave it out of plan.tp_plan"))
+                f"{mesh.shape[TP]} does not divide {torch_name(name)}'s dimension {dim} ({shape[dim]}), which "
+                "plan.tp_plan splits; use a tp_size that divides it, or leave it out of plan.tp_plan"))
         fixed[dim] = TP
     return param_spec(shape, size_of(mesh, shard_axes), entry(shard_axes), fixed)
 
@@ -156,12 +140,6 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """[..., rows, sequence]: rows over the data axes, the sequence over cp or sp; `leading_axes` unsplit axes
     before the rows (the micro-batch index)."""
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), rows(mesh), sequence(mesh)))
-
-
-def activation_sharding(mesh: Mesh) -> NamedSharding:
-    """Hidden states [b, s, d] stay split by rows (and sequence) between layers, whole on every tp rank (the
-    rowwise layers' outputs are all-reduced), so XLA gathers weights rather than splitting activations."""
-    return NamedSharding(mesh, PartitionSpec(rows(mesh), sequence(mesh), None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +177,7 @@ class Layout:
     def experts(self, x):
         """A MoE layer's per-expert activations [experts, b, s, ...]: experts split over ep, the tokens of an ep
         group gathered to them (rows over the other data axes): XLA moves tokens over ep, never expert weights.
-        The feature dimensions follow the weights (split over tp when the plan splits the experts)."""
+        The feature dimensions follow the weights."""
         if self.mesh is None:
             return x
         other_rows = entry(split_over(self.mesh, (DP_REPLICATE, FSDP)))

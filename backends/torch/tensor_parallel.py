@@ -25,10 +25,11 @@ meta-device slices are filled from rank 0 once FSDP has sharded them).
 - A mixture-of-experts layer's experts (packed_colwise, moe_tp_experts, and what the plan names inside them) stay
   whole on every tp rank, which then routes and computes the same tokens alike: experts are split by expert
   parallelism (plan.ep_size), attention by tensor parallelism.
+
+Which modules a key names, and what stays whole, is portable_fsdp/placement.py's rule, the one every backend
+follows.
 """
 from __future__ import annotations
-
-from fnmatch import fnmatchcase
 
 import torch
 import torch.distributed as dist
@@ -36,38 +37,32 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from portable_fsdp import placement
 from portable_fsdp.errors import UserError
 
 GRAD_ALL_REDUCE = "_portable_fsdp_tp_grad_all_reduce"  # set on modules whose weight gradients are partial per rank
-EXPERT_STYLES = ("packed_colwise", "moe_tp_experts")
 
 
 def resolve_plan(base: nn.Module, tp_plan: dict, strict: bool) -> dict:
-    """{module name under `base`: style} for every module a pattern of `tp_plan` matches (atom by atom, `*`
-    within one atom). `strict`: a pattern that matches nothing is an error (a plan the user wrote)."""
-    names = [name for name, _ in base.named_modules() if name]
-    resolved = {}
-    for pattern, style in tp_plan.items():
-        atoms = pattern.split(".")
-        matched = [n for n in names if len(n.split(".")) == len(atoms)
-                   and all(fnmatchcase(a, p) for a, p in zip(n.split("."), atoms))]
-        if not matched and strict:
-            raise UserError("plan.tp_plan", (
-                f"{pattern!r} matches no module of the model (patterns are relative to the base model; names "
-                f"look like {', '.join(names[-3:])})"))
-        resolved.update(dict.fromkeys(matched, style))
-    return resolved
+    """{module name under `base`: style} of the modules the plan splits or marks (portable_fsdp.placement: `*`
+    a layer index, a MoE layer's experts left whole). `strict`: a key that names no module or parameter is an
+    error (a plan the user wrote)."""
+    modules = [name for name, _ in base.named_modules() if name]
+    parameters = [name for name, _ in base.named_parameters()]
+    unmatched = placement.unmatched_keys(tp_plan, modules + parameters)
+    if unmatched and strict:
+        raise UserError("plan.tp_plan", (
+            f"{unmatched[0]!r} matches no module of the model (keys are relative to the base model, with * for a "
+            f"layer index; names look like {', '.join(modules[-3:])})"))
+    placement.check_parameter_keys(tp_plan, parameters)
+    return placement.tp_modules(tp_plan, modules)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: bool = False) -> bool:
     """Split the modules `tp_plan` names over `tp_mesh` in place; returns whether the logits come out sharded over
     the vocabulary (the loss must then run under `loss_parallel`)."""
     base = model.base_model
-    resolved = resolve_plan(base, tp_plan, strict)
-    experts = [name for name, style in resolved.items() if style in EXPERT_STYLES]
-    for name, style in resolved.items():
-        if any(name == e or name.startswith(e + ".") for e in experts):
-            continue  # experts stay whole on every tp rank (see the module docstring)
+    for name, style in resolve_plan(base, tp_plan, strict).items():
         module = base.get_submodule(name)
         if style == "colwise":
             parallelize_module(module, tp_mesh, ColwiseParallel(), src_data_rank=None)

@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from portable_fsdp import placement
 from portable_fsdp.backends.hf_torch import model as model_lib
 from portable_fsdp.backends.torch import estimate as torch_estimate
 from portable_fsdp.backends.xla import layout
@@ -58,9 +59,9 @@ def state_per_device(config, plan) -> dict:
     frozen = [re.compile(pattern.strip()) for pattern in config.train.freeze if pattern.strip()]
     trained = {name for name, _ in model.named_parameters() if not any(r.search(name) for r in frozen)}
     if plan.xla.xla_fsdp_v2:
-        sizes = dict(zip(layout.MESH_AXES, layout.mesh_shape(plan.mesh)))
+        sizes = placement.axis_sizes(plan.mesh)
         tp_plan = tensor_parallel_plan(plan, info) if plan.mesh.tp_size > 1 else {}
-        specs = layout.parameter_specs(model, tp_plan, info.num_experts if plan.mesh.ep_size > 1 else 0)
+        specs = layout.parameter_specs(model, tp_plan, info.num_experts if plan.mesh.ep_size > 1 else 0, plan.mesh)
         shard = {name: math.prod(_shard_shape(tuple(p.shape), specs[name], sizes))
                  for name, p in model.named_parameters()}
     else:

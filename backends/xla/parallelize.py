@@ -22,6 +22,7 @@ from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transfo
 import torch_xla.distributed.spmd as xs
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+from portable_fsdp import placement
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.backends.xla import layout
 from portable_fsdp.backends.xla.materialize import materialize_sharded
@@ -38,7 +39,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, info: Mo
     specs = None
     if runtime.spmd:
         tp_plan = tensor_parallel_plan(plan, info) if plan.mesh.tp_size > 1 else {}
-        specs = layout.parameter_specs(model, tp_plan, info.num_experts if plan.mesh.ep_size > 1 else 0)
+        specs = layout.parameter_specs(model, tp_plan, info.num_experts if plan.mesh.ep_size > 1 else 0, plan.mesh)
         apply_tensor_parallel(model, tp_plan, runtime.mesh)
         if plan.mesh.sp_size > 1:
             apply_sequence_parallel(model, runtime.mesh)
@@ -54,8 +55,9 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: dict, mesh) -> None:
     """The outputs of the plan's colwise layers split by feature over tp, those of its rowwise layers whole (the
     Megatron layout: XLA adds a rowwise layer's partial sums over tp), in forward and backward. The weights
     are split in apply_fsdp_v2."""
-    modules = dict(model.named_modules())
-    for name, style in layout.tp_modules(tp_plan, modules).items():
+    base = getattr(model, "base_model", model)  # what the plan's keys are relative to
+    modules = dict(base.named_modules())
+    for name, style in placement.tp_modules(tp_plan, modules).items():
         modules[name].register_forward_hook(functools.partial(_annotate_output, mesh=mesh, style=style))
 
 

@@ -18,6 +18,7 @@ import torch_xla.debug.metrics as xla_metrics
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from portable_fsdp import placement
 from portable_fsdp.backends.xla import layout
 from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
@@ -51,10 +52,10 @@ def initialize(plan: ShardingPlan) -> Runtime:
         if devices != counted:
             raise UserError("--nproc", f"xla: torch_xla's runtime has {devices} devices where {counted} were counted "
                             "before it started (the TPU's topology settings changed?); set them back or restart")
-        # One mesh for every axis of the plan, outermost first (backends/xla/layout.py): tp devices are
+        # One mesh for every axis of the plan, outermost first (portable_fsdp/placement.py): tp devices are
         # neighbours, as are the devices one sequence is split over.
         spec = plan.mesh.resolve(devices)
-        mesh = xs.Mesh(np.arange(devices), layout.mesh_shape(spec), layout.MESH_AXES)
+        mesh = xs.Mesh(np.arange(devices), layout.mesh_shape(spec), placement.MESH_AXES)
         xs.set_global_mesh(mesh)
         return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices,
                        xr.process_count())

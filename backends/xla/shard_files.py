@@ -13,6 +13,7 @@ import torch_xla
 from portable_fsdp.errors import UserError
 
 INDEX = "index.json"
+REPLICATED = "{replicated}"  # the sharding spec of a tensor whole on every device
 
 
 def _file(directory: pathlib.Path, device: str) -> pathlib.Path:
@@ -54,7 +55,18 @@ def load(tensors: dict, directory: pathlib.Path) -> None:
     opened = [safe_open(str(_file(directory, d)), framework="pt") for d in devices]
     for name, tensor in tensors.items():
         shards = [f.get_tensor(name) for f in opened]
-        torch_xla._XLAC._load_local_shards(tensor, shards, devices)
+        if torch_xla._XLAC._get_xla_sharding_spec(tensor) == REPLICATED:
+            _fill_replicated(tensor, shards[0])  # torch_xla loads the shards of split tensors only
+        else:
+            torch_xla._XLAC._load_local_shards(tensor, shards, devices)
+
+
+def _fill_replicated(tensor: torch.Tensor, whole: torch.Tensor) -> None:
+    """A tensor whole on every device (too small to split: portable_fsdp/placement.py) takes one device's copy,
+    placed with the same annotation (an in-place copy would take the source's)."""
+    placed = whole.to(tensor.device)
+    torch_xla._XLAC._xla_mark_sharding(placed, torch_xla._XLAC._get_xla_op_sharding(tensor))
+    tensor.data = placed
 
 
 def _check_same_layout(name: str, tensor: torch.Tensor, saved: dict | None) -> None:

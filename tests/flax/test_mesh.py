@@ -24,11 +24,12 @@ def test_each_device_sits_at_its_ranks_coordinates(spec):
     """Rank r (device r) is where MeshSpec.coordinates(r) puts it; ep is the inner part of fsdp."""
     import jax
 
+    from portable_fsdp import placement
     from portable_fsdp.backends.flax import sharding
 
     spec = spec.resolve(4)
     mesh = sharding.build_mesh(spec, jax.devices()[:4])
-    assert mesh.axis_names == sharding.AXES
+    assert mesh.axis_names == placement.MESH_AXES
     for rank in range(4):
         c = spec.coordinates(rank)
         fsdp_outer, ep = divmod(c["fsdp"], spec.ep_size)
@@ -36,20 +37,21 @@ def test_each_device_sits_at_its_ranks_coordinates(spec):
 
 
 def test_tensor_parallel_patterns_name_modules_and_parameters():
-    from portable_fsdp.backends.flax.sharding import tp_style
+    """Flax kernels are [in, out]: colwise splits the last dimension, rowwise the one before."""
+    from portable_fsdp.backends.flax.sharding import tp_dim
 
-    assert tp_style("model.layers.11.self_attn.q_proj.weight", LLAMA_PLAN) == "colwise"
-    assert tp_style("model.layers.0.self_attn.q_proj.bias", LLAMA_PLAN) == "colwise"  # the module's bias too
-    assert tp_style("model.layers.0.mlp.down_proj.weight", LLAMA_PLAN) == "rowwise"
-    assert tp_style("model.layers.0.self_attn.k_proj.weight", LLAMA_PLAN) is None
-    assert tp_style("model.layers.0.self_attn.q_proj_extra.weight", LLAMA_PLAN) is None  # whole names only
-    assert tp_style("lm_head.weight", LLAMA_PLAN) is None  # patterns are relative to the base model
-    assert tp_style("model.layers.1.mlp.experts.gate_up_proj", MIXTRAL_PLAN) == "packed_colwise"  # a parameter
-    assert tp_style("model.layers.1.mlp.gate.weight", MIXTRAL_PLAN) is None
+    assert tp_dim("model.layers.11.self_attn.q_proj.weight", 2, LLAMA_PLAN) == 1
+    assert tp_dim("model.layers.0.self_attn.q_proj.bias", 1, LLAMA_PLAN) == 0  # the module's bias too
+    assert tp_dim("model.layers.0.mlp.down_proj.weight", 2, LLAMA_PLAN) == 0
+    assert tp_dim("model.layers.0.self_attn.k_proj.weight", 2, LLAMA_PLAN) is None
+    assert tp_dim("model.layers.0.self_attn.q_proj_extra.weight", 2, LLAMA_PLAN) is None  # whole names only
+    assert tp_dim("lm_head.weight", 2, {"lm_head": "colwise"}) is None  # patterns are relative to the base model
+    assert tp_dim("model.layers.1.mlp.experts.gate_up_proj", 4, MIXTRAL_PLAN) is None  # experts: whole over tp
+    assert tp_dim("model.layers.1.mlp.gate.weight", 2, MIXTRAL_PLAN) is None
 
 
 def test_placement_of_tensor_and_expert_parallel_parameters():
-    """colwise on the output dimension, rowwise on the input one, fsdp on another; experts over ep."""
+    """colwise on the output dimension, rowwise on the input one, fsdp on another; experts over ep, whole over tp."""
     import jax
 
     from portable_fsdp.backends.flax import convert, sharding
@@ -68,8 +70,8 @@ def test_placement_of_tensor_and_expert_parallel_parameters():
         "model.layers.0.self_attn.q_proj.bias": ["tp"],
         "model.layers.0.self_attn.o_proj.kernel": ["tp", ["fsdp", "ep"]],
         "model.layers.0.self_attn.o_proj.bias": [None],  # added after the reduction: whole on every tp rank
-        "model.layers.0.mlp.experts.gate_up_proj": ["ep", None, "fsdp", "tp"],  # the rest of fsdp on hidden
-        "model.layers.0.mlp.experts.down_proj": ["ep", "tp", "fsdp"],
+        "model.layers.0.mlp.experts.gate_up_proj": ["ep", None, None, "fsdp"],  # whole over tp, as on every
+        "model.layers.0.mlp.experts.down_proj": ["ep", "fsdp", None],  # backend; the rest of fsdp on the largest
         "model.layers.0.mlp.gate.kernel": [None, None]}  # small: whole
 
 

@@ -87,6 +87,9 @@ def test_eval_loss_is_the_plain_torch_models(run_on, devices, name):
 def assert_spread_over_every_device_of_a_replica(result: dict, devices: int, replicas: int) -> None:
     assert len(result["shardings"]) == 21  # 2 layers x 9 + embedding, final norm, lm_head
     for param, spec in result["shardings"].items():
+        if param.endswith("norm.weight"):  # [64]: too small to split (portable_fsdp/placement.py), whole
+            assert spec == "{replicated}", f"{param}: {spec}"
+            continue
         assert distinct_shards(spec) == devices // replicas, f"{param}: {spec}"
         assert ("last_tile_dim_replicate" in spec) == (replicas > 1), f"{param}: {spec}"
     assert result["moment_shardings"] == result["shardings"]  # AdamW state sharded like its parameter
@@ -95,15 +98,15 @@ def assert_spread_over_every_device_of_a_replica(result: dict, devices: int, rep
 
 
 @pytest.mark.parametrize("devices,name", CASES, ids=CASE_IDS)
-def test_every_parameter_and_moment_is_sharded_over_all_devices(run_on, devices, name):
+def test_every_parameter_but_the_norm_scales_and_its_moments_are_sharded_over_all_devices(run_on, devices, name):
     assert_spread_over_every_device_of_a_replica(run_on(devices)[name], devices, replicas(name))
 
 
 # Tensor parallelism on the mesh (fsdp 2, tp 2): device = 2 * fsdp + tp, tp ranks neighbours. A colwise weight
-# [out, in] has out over tp and in over fsdp, a rowwise one the reverse; a norm is cut over all four devices.
+# [out, in] has out over tp and in over fsdp, a rowwise one the reverse; a norm is too small to cut.
 TP_LAYOUT = {"self_attn.q_proj.weight": "{devices=[2,2]0,2,1,3}", "self_attn.k_proj.weight": "{devices=[2,2]0,2,1,3}",
              "mlp.up_proj.weight": "{devices=[2,2]0,2,1,3}", "self_attn.o_proj.weight": "{devices=[2,2]0,1,2,3}",
-             "mlp.down_proj.weight": "{devices=[2,2]0,1,2,3}", "input_layernorm.weight": "{devices=[4]0,1,2,3}"}
+             "mlp.down_proj.weight": "{devices=[2,2]0,1,2,3}", "input_layernorm.weight": "{replicated}"}
 
 
 def test_tensor_parallel_weights_are_split_over_tp_and_fsdp(run_on):
