@@ -5,7 +5,7 @@ jax until one of these functions is first used: the launcher loads this package,
 host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
 
 Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx),
-convert (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
+torch_weights (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
 programs (the jitted update, eval and predict), step (init / train_step / ...), checkpoint, devices,
 resources (memory and matmul rate for the metrics), processes (one JAX process per machine: what changes),
 launch (what the command asks before jax starts, and the start itself), estimate (the memory estimate).

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import convert, optimizer as optimizer_lib, processes, sharded
+from portable_fsdp.backends.flax import torch_weights, optimizer as optimizer_lib, processes, sharded
 from portable_fsdp.backends.flax.sharding import place_all
 from portable_fsdp import checkpoint_files, checkpointing, safetensors_shards
 from portable_fsdp.backends.flax.step import TrainState
@@ -77,7 +77,7 @@ def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
     """The weights in torch's names and layout (no tied lm_head), in train.save_dtype, in shards of
     train.max_shard_size as save_pretrained writes them: one parameter on the host at a time."""
     train = state.ctx.config.train
-    flax_of = {convert.torch_name(n): n for n in state.params}
+    flax_of = {torch_weights.torch_name(n): n for n in state.params}
     order = [n for n in state.ctx.torch_names if n in flax_of] + sorted(set(flax_of) - set(state.ctx.torch_names))
     stored = {n: train.save_dtype if jnp.issubdtype(state.params[flax_of[n]].dtype, jnp.floating)
               else str(state.params[flax_of[n]].dtype) for n in order}
@@ -88,14 +88,14 @@ def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
     for name in order:
         host = _to_host({name: state.params[flax_of[name]]})[name]  # several processes: a collective
         if writer.owner(name) == jax.process_index():
-            array = convert.to_torch_layout(flax_of[name], host).astype(_numpy_dtype(stored[name]))
+            array = torch_weights.to_torch_layout(flax_of[name], host).astype(_numpy_dtype(stored[name]))
             writer.write(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     return writer.close()
 
 
 def _torch_shape(flax_name: str, shape) -> tuple:
     """The torch layout's shape, from a zero-stride view (no memory)."""
-    return tuple(convert.to_torch_layout(flax_name, np.broadcast_to(np.zeros((), np.uint8), shape)).shape)
+    return tuple(torch_weights.to_torch_layout(flax_name, np.broadcast_to(np.zeros((), np.uint8), shape)).shape)
 
 
 def _numpy_dtype(name: str):
@@ -114,7 +114,7 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
         params, opt_state = sharded.load(state, directory)
         return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
     ctx = state.ctx
-    host = convert.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
+    host = torch_weights.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
     # a bfloat16 export (train.save_dtype) resumes into the training dtype
     host = {name: value.astype(state.params[name].dtype) for name, value in host.items()}
     params = place_all(host, ctx.param_sharding)
@@ -145,7 +145,7 @@ def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path, dtype
 def _param_groups(state: TrainState, names_in_torch_order: list) -> list:
     t = state.ctx.config.train
     lr = state.ctx.schedule(max(state.step - 1, 0))  # the rate of the last step taken, as torch's group holds
-    decays = {convert.torch_name(n): flag for n, flag in optimizer_lib.decays(state.params).items()}
+    decays = {torch_weights.torch_name(n): flag for n, flag in optimizer_lib.decays(state.params).items()}
     common = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "amsgrad": False, "maximize": False,
               "foreach": False, "capturable": False, "differentiable": False, "fused": False,
               "decoupled_weight_decay": True}
@@ -158,8 +158,8 @@ def _torch_optimizer_state(state: TrainState) -> dict:
 
     arch = state.ctx.model_def.arch
     count, mu, nu = optimizer_lib.adam_moments(state.opt_state)
-    exp_avg = convert.to_torch(_to_host(mu), arch, with_tied_head=False)
-    exp_avg_sq = convert.to_torch(_to_host(nu), arch, with_tied_head=False)
+    exp_avg = torch_weights.to_torch(_to_host(mu), arch, with_tied_head=False)
+    exp_avg_sq = torch_weights.to_torch(_to_host(nu), arch, with_tied_head=False)
     names = [n for n in state.ctx.torch_names if n in exp_avg]  # torch's order; a tied head has no state
     step = torch.tensor(float(count))
     per_param = {n: {"step": step.clone(), "exp_avg": exp_avg[n], "exp_avg_sq": exp_avg_sq[n]} for n in names}
@@ -176,8 +176,8 @@ def _load_torch_optimizer_state(state: TrainState, path: pathlib.Path):
     if not per_param:  # saved before the first step: nothing to restore
         return state.opt_state
     arch = ctx.model_def.arch
-    mu = convert.from_torch({k: v["exp_avg"] for k, v in per_param.items()}, names, arch, "train.resume")
-    nu = convert.from_torch({k: v["exp_avg_sq"] for k, v in per_param.items()}, names, arch, "train.resume")
+    mu = torch_weights.from_torch({k: v["exp_avg"] for k, v in per_param.items()}, names, arch, "train.resume")
+    nu = torch_weights.from_torch({k: v["exp_avg_sq"] for k, v in per_param.items()}, names, arch, "train.resume")
     count = int(next(iter(per_param.values()))["step"].item())
     moment_sharding = {n: ctx.param_sharding[n] for n in names}
     opt_state = optimizer_lib.replace_adam_moments(state.opt_state, jnp.asarray(count, jnp.int32),

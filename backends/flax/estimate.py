@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from portable_fsdp.backends.flax import architecture, convert, model as model_lib, optimizer as optimizer_lib
+from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, optimizer as optimizer_lib
 from portable_fsdp.backends.flax import programs as programs_lib, sharding
 from portable_fsdp.backends.flax.step import COMPUTE_DTYPES
 from portable_fsdp.backends.hf_torch.model import hf_config
@@ -44,7 +44,7 @@ def estimate_memory(request: dict) -> dict:
     model_def = model_lib.define(arch, remat=plan.activation_checkpointing or config.train.gradient_checkpointing)
     mesh = sharding.build_mesh(plan.mesh, jax.devices()[:world_size])
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              convert.torch_name)
+                                              torch_weights.torch_name)
     params = {name: _abstract(shape, param_sharding[name]) for name, shape in model_def.shapes.items()}
     optimizer = optimizer_lib.build(config.train)
     opt_shapes = jax.eval_shape(optimizer.init, params)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from portable_fsdp.backends.flax import architecture, convert, model as model_lib, sharding
+from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, sharding
 from portable_fsdp.errors import UserError
 
 
@@ -48,7 +48,7 @@ def built_whole(config, remat: bool) -> InitialWeights:
     hf_model = create_model(config, rank=0, rank0_only=False)
     model_def = _define(hf_model.config, remat)
     torch_state = hf_model.state_dict()
-    host = convert.from_torch(torch_state, model_def.variables, model_def.arch)
+    host = torch_weights.from_torch(torch_state, model_def.variables, model_def.arch)
     return InitialWeights(model_def, hf_model.config, tuple(torch_state),
                           lambda shardings: sharding.place_all(host, shardings))
 
@@ -60,7 +60,7 @@ def _define(hf_config, remat: bool) -> model_lib.ModelDef:
 def stream(fill, model_def: model_lib.ModelDef, shardings: dict, field: str = "model.init_from") -> dict:
     """{flax name: jax.Array}: `fill(deliver)` (hf_torch.model.OnMeta) hands over each torch parameter in turn (tied
     names together, one flax array); each is converted and placed before the next is made."""
-    flax_name, shapes = convert.by_torch_name(model_def.variables), model_def.shapes
+    flax_name, shapes = torch_weights.by_torch_name(model_def.variables), model_def.shapes
     params: dict = {}
 
     def deliver(names, full):
@@ -69,12 +69,12 @@ def stream(fill, model_def: model_lib.ModelDef, shardings: dict, field: str = "m
             raise UserError(field, f"{', '.join(names)} is {'delivered twice' if targets else 'not a parameter'} "
                                    "of the flax model")
         (name,) = targets
-        host = convert.to_flax(name, full)
+        host = torch_weights.to_flax(name, full)
         expected = shapes[name].shape
         if host.shape != expected:
             raise UserError(field, f"{names[0]} has shape {tuple(full.shape)}; the model's is {expected} in flax")
         params[name] = sharding.place(host, shardings[name])
 
     fill(deliver)
-    convert.require_all(model_def.variables, {convert.torch_name(n) for n in params}, field)
+    torch_weights.require_all(model_def.variables, {torch_weights.torch_name(n) for n in params}, field)
     return params

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import (architecture, convert, devices as devices_lib, initial, model as model_lib,
+from portable_fsdp.backends.flax import (architecture, torch_weights, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
                                          resources, sharding)
 from portable_fsdp.data.batch import Batch
@@ -70,7 +70,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
     info = architecture.describe_model(config)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              convert.torch_name)
+                                              torch_weights.torch_name)
     params = weights.place(param_sharding)
     del weights  # a model built whole (initial.built_whole) leaves the host here
     optimizer = optimizer_lib.build(config.train)

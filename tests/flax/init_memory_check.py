@@ -16,7 +16,7 @@ configure_host_devices(2)
 import jax  # noqa: E402
 
 from portable_fsdp import host_memory  # noqa: E402
-from portable_fsdp.backends.flax import architecture, convert, initial, model as model_lib, sharding  # noqa: E402
+from portable_fsdp.backends.flax import architecture, torch_weights, initial, model as model_lib, sharding  # noqa: E402
 from portable_fsdp.backends.hf_torch.model import create_model  # noqa: E402
 from portable_fsdp.validate import resolve_plan  # noqa: E402
 from tests.dist.meta_init_check import LLAMA_100M  # noqa: E402
@@ -47,7 +47,7 @@ def placed_on_meta(config, mesh) -> dict:
 def placed_whole(config, mesh) -> dict:
     hf_model = create_model(config, rank=0, rank0_only=False)
     model_def = model_lib.define(architecture.from_hf_config(hf_model.config))
-    host = convert.from_torch(hf_model.state_dict(), model_def.variables, model_def.arch)
+    host = torch_weights.from_torch(hf_model.state_dict(), model_def.variables, model_def.arch)
     shardings = sharding.param_shardings(model_def.shapes, mesh)
     return jax.block_until_ready({name: jax.device_put(value, shardings[name]) for name, value in host.items()})
 

@@ -15,7 +15,7 @@ configure_host_devices(2)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from portable_fsdp.backends.flax import architecture, convert, devices, initial, sharding  # noqa: E402
+from portable_fsdp.backends.flax import architecture, torch_weights, devices, initial, sharding  # noqa: E402
 from portable_fsdp.backends.hf_torch.model import create_model  # noqa: E402
 from portable_fsdp.mesh_fit import tensor_parallel_plan  # noqa: E402
 from portable_fsdp.validate import resolve_plan  # noqa: E402
@@ -37,10 +37,10 @@ def main(out: str, process_id: int, port: int) -> None:
     weights = initial.prepare(config, False)
     info = architecture.describe_model(config)
     shardings = sharding.param_shardings(weights.model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                         convert.torch_name)
+                                         torch_weights.torch_name)
     params = weights.place(shardings)
     hf_model = create_model(config, rank=0, rank0_only=False)
-    expected = convert.from_torch(hf_model.state_dict(), weights.model_def.variables, weights.model_def.arch)
+    expected = torch_weights.from_torch(hf_model.state_dict(), weights.model_def.variables, weights.model_def.arch)
     differing = [name for name, array in params.items() for shard in array.addressable_shards
                  if np.asarray(shard.data).tobytes() != expected[name][shard.index].tobytes()]
     result = {"process": jax.process_index(), "processes": jax.process_count(), "parameters": len(params),

@@ -65,13 +65,13 @@ def test_model_loss_equals_the_logits_loss_over_a_mesh(tie):
     """ModelDef.loss_sum, rows split over 2 devices, equals Σ token losses of ModelDef.apply's logits."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from portable_fsdp.backends.flax import architecture, convert
+    from portable_fsdp.backends.flax import architecture, torch_weights
     from tests.flax.test_model import hf_llama
 
     hf_model = hf_llama(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
     arch = architecture.from_hf_config(hf_model.config)
     model_def = model_lib.define(arch)
-    params = convert.from_torch(hf_model.state_dict(), model_def.variables, arch)
+    params = torch_weights.from_torch(hf_model.state_dict(), model_def.variables, arch)
     rng = np.random.default_rng(3)
     ids, labels = rng.integers(0, 97, (4, 32)), rng.integers(0, 97, (4, 32))
     positions = np.broadcast_to(np.arange(32), ids.shape).copy()

@@ -54,7 +54,7 @@ def test_placement_of_tensor_and_expert_parallel_parameters():
     """colwise on the output dimension, rowwise on the input one, fsdp on another; experts over ep, whole over tp."""
     import jax
 
-    from portable_fsdp.backends.flax import convert, sharding
+    from portable_fsdp.backends.flax import torch_weights, sharding
 
     spec = MeshSpec(fsdp_size=4, ep_size=2, tp_size=2).resolve(8)
     mesh = sharding.build_mesh(spec, [jax.devices()[0]] * 8)  # placements only: no array is placed
@@ -64,7 +64,7 @@ def test_placement_of_tensor_and_expert_parallel_parameters():
               "model.layers.0.mlp.experts.down_proj": (4, 160, 64), "model.layers.0.mlp.gate.kernel": (64, 4)}
     shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes.items()}
     placed = sharding.describe(sharding.param_shardings(shapes, mesh, {**LLAMA_PLAN, **MIXTRAL_PLAN},
-                                                        convert.torch_name))
+                                                        torch_weights.torch_name))
     assert placed == {
         "model.layers.0.self_attn.q_proj.kernel": [["fsdp", "ep"], "tp"],
         "model.layers.0.self_attn.q_proj.bias": ["tp"],

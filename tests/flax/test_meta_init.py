@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import ROOT, free_port, run_python
-from portable_fsdp.backends.flax import architecture, convert, initial, model as model_lib
+from portable_fsdp.backends.flax import architecture, torch_weights, initial, model as model_lib
 from portable_fsdp.backends.hf_torch import model as hf_model_lib
 from tests.flax.conftest import init_state, make_config, needs_devices
 from tests.parity import families
@@ -55,7 +55,7 @@ def whole_build(config):
     """What the flax backend placed before: the whole torch model, its state dict converted."""
     hf_model = hf_model_lib.create_model(config, rank=0, rank0_only=False)
     arch = architecture.from_hf_config(hf_model.config)
-    return hf_model, convert.from_torch(hf_model.state_dict(), model_lib.define(arch).variables, arch)
+    return hf_model, torch_weights.from_torch(hf_model.state_dict(), model_lib.define(arch).variables, arch)
 
 
 @needs_devices(4)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from portable_fsdp.backends.flax import architecture, convert, model as model_lib, rope
+from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, rope
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -37,7 +37,7 @@ def flax_logits(hf_model, input_ids, positions):
 
     arch = architecture.from_hf_config(hf_model.config)
     model_def = model_lib.define(arch)
-    params = convert.from_torch(hf_model.state_dict(), model_def.variables, arch)
+    params = torch_weights.from_torch(hf_model.state_dict(), model_def.variables, arch)
     return np.asarray(jax.jit(model_def.apply)(params, input_ids, positions))
 
 

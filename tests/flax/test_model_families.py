@@ -50,15 +50,15 @@ def test_mixtral_logits_and_load_balancing_loss_equal_transformers():
     bit; the same logits and the same router load-balancing loss (output_router_logits)."""
     import jax
 
-    from portable_fsdp.backends.flax import architecture, convert, model as model_lib
+    from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib
 
     model = hf_model("mixtral", **MOE, output_router_logits=True)
     arch = architecture.from_hf_config(model.config)
     assert (arch.num_experts, arch.experts_per_token, arch.router_aux_loss_coef) == (4, 2, 0.001)
     model_def = model_lib.define(arch)
-    params = convert.from_torch(model.state_dict(), model_def.variables, arch)
+    params = torch_weights.from_torch(model.state_dict(), model_def.variables, arch)
     assert params["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2, 64, 96)  # [E, gate|up, in, out]
-    back = convert.to_torch(params, arch)
+    back = torch_weights.to_torch(params, arch)
     assert back.keys() == model.state_dict().keys()
     assert all(torch.equal(back[n], t) for n, t in model.state_dict().items())
 

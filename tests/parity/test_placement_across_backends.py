@@ -88,14 +88,14 @@ def flax_split(config, tp_plan: dict) -> dict:
     """{torch name of the base model's parameter: the torch dimension flax's sharding puts tp on, or None}."""
     import jax
 
-    from portable_fsdp.backends.flax import architecture, convert, model as model_lib, sharding
+    from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, sharding
 
     shapes = model_lib.define(architecture.from_hf_config(config)).shapes
     mesh = sharding.build_mesh(MESH, [jax.devices()[0]] * MESH.fsdp_size * TP)  # placements only
-    placed = sharding.param_shardings(shapes, mesh, tp_plan, convert.torch_name)
+    placed = sharding.param_shardings(shapes, mesh, tp_plan, torch_weights.torch_name)
     split = {}
     for name, shape in shapes.items():
-        torch_name = convert.torch_name(name)
+        torch_name = torch_weights.torch_name(name)
         if torch_name.startswith(sharding.BASE_MODEL):
             dim = next((d for d, entry in enumerate(placed[name].spec) if entry == "tp"), None)
             split[torch_name.removeprefix(sharding.BASE_MODEL)] = None if dim is None else \
@@ -105,9 +105,9 @@ def flax_split(config, tp_plan: dict) -> dict:
 
 def torch_dim(flax_name: str, flax_shape: tuple, flax_dim: int) -> int:
     """The dimension of the torch tensor along which flax's `flax_dim` runs (through convert's layout change)."""
-    from portable_fsdp.backends.flax import convert
+    from portable_fsdp.backends.flax import torch_weights
 
-    coordinate = convert.to_torch_layout(flax_name, np.indices(flax_shape)[flax_dim])
+    coordinate = torch_weights.to_torch_layout(flax_name, np.indices(flax_shape)[flax_dim])
     (dim,) = [d for d in range(coordinate.ndim) if np.ptp(coordinate, axis=d).any()]
     return dim
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from portable_fsdp.backends.flax import architecture, convert, model as model_lib
+from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib
 from tests.flax.test_model import hf_llama
 
 
@@ -27,10 +27,10 @@ def assert_bit_equal(a: dict, b: dict):
 def test_torch_to_flax_to_torch_is_bit_exact(tied, dtype):
     hf_model = hf_llama(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied).to(dtype)
     arch, names = flax_names(hf_model)
-    params = convert.from_torch(hf_model.state_dict(), names, arch)
+    params = torch_weights.from_torch(hf_model.state_dict(), names, arch)
     assert params["model.layers.0.self_attn.q_proj.kernel"].shape == (64, 64)  # [in, out]
     assert ("lm_head.kernel" in params) != tied
-    assert_bit_equal(convert.to_torch(params, arch), hf_model.state_dict())
+    assert_bit_equal(torch_weights.to_torch(params, arch), hf_model.state_dict())
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -40,12 +40,12 @@ def test_full_checkpoint_directory_round_trip(tmp_path, tied):
     hf_model = hf_llama(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     arch, names = flax_names(hf_model)
     hf_model.save_pretrained(tmp_path / "from_torch")
-    params = convert.read_safetensors_dir(tmp_path / "from_torch", names, arch)
-    direct = convert.from_torch(hf_model.state_dict(), names, arch)
+    params = torch_weights.read_safetensors_dir(tmp_path / "from_torch", names, arch)
+    direct = torch_weights.from_torch(hf_model.state_dict(), names, arch)
     assert all(np.array_equal(params[n], direct[n]) for n in names)
 
     (tmp_path / "from_flax").mkdir()
-    convert.write_safetensors(params, arch, tmp_path / "from_flax" / "model.safetensors")
+    torch_weights.write_safetensors(params, arch, tmp_path / "from_flax" / "model.safetensors")
     hf_model.config.save_pretrained(tmp_path / "from_flax")
     with safe_open(tmp_path / "from_flax" / "model.safetensors", "pt") as ours, \
             safe_open(tmp_path / "from_torch" / "model.safetensors", "pt") as theirs:
@@ -67,5 +67,5 @@ def test_init_from_a_local_directory_starts_from_its_weights(tmp_path):
     state = init_state(make_config({"model.init_from": str(tmp_path)}), len(jax.devices()))
     arch, names = flax_names(hf_model)
     assert state.ctx.model_def.arch == arch
-    expected = convert.from_torch(hf_model.state_dict(), names, arch)
+    expected = torch_weights.from_torch(hf_model.state_dict(), names, arch)
     assert all(np.array_equal(np.asarray(state.params[n]), expected[n]) for n in names)
