@@ -1,4 +1,5 @@
-"""The backend-neutral training loop: state = init(config); state, metrics = train_step(state, batch).
+"""The backend-neutral training loop: state = backend.init(config, plan, name); then state, metrics =
+backend.train_step(state, micro_batches) step after step, with evaluation, logging and checkpoints between.
 
 It drives any module that fulfils `portable_fsdp.backend.Backend`; its checkpoints are saved, resumed and
 exported through portable_fsdp.checkpoint_session.

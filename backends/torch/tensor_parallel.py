@@ -43,7 +43,7 @@ from portable_fsdp.errors import UserError
 GRAD_ALL_REDUCE = "_portable_fsdp_tp_grad_all_reduce"  # set on modules whose weight gradients are partial per rank
 
 
-def resolve_plan(base: nn.Module, tp_plan: dict, strict: bool) -> dict:
+def split_modules(base: nn.Module, tp_plan: dict, strict: bool) -> dict:
     """{module name under `base`: style} of the modules the plan splits or marks (portable_fsdp.placement: `*`
     a layer index, a MoE layer's experts left whole). `strict`: a key that names no module or parameter is an
     error (a plan the user wrote)."""
@@ -62,7 +62,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: b
     """Split the modules `tp_plan` names over `tp_mesh` in place; returns whether the logits come out sharded over
     the vocabulary (the loss must then run under `loss_parallel`)."""
     base = model.base_model
-    for name, style in resolve_plan(base, tp_plan, strict).items():
+    for name, style in split_modules(base, tp_plan, strict).items():
         module = base.get_submodule(name)
         if style == "colwise":
             parallelize_module(module, tp_mesh, ColwiseParallel(), src_data_rank=None)
