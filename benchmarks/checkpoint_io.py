@@ -88,9 +88,9 @@ def _worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from portable_fsdp import backends
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.loader import TrainBatches, build_token_data
-    from portable_fsdp.validate import resolve_plan
+    from portable_fsdp.config.validate import resolve_plan
 
     config = load_recipe(None)
     for key, value in {**{f"model.{k}": v for k, v in spec["model"].items()}, "data.seq_len": 32,
@@ -120,7 +120,7 @@ def _against_the_disk(backend, state, config, plan, spec, results):
     """Each layout's save and resume, timed, and (rank 0) the raw write and read of as many bytes right after, in
     DISK_ROUNDS rounds: the disk's rate moves between minutes, so each save is set against the raw rate of its own
     round."""
-    from portable_fsdp import checkpoint_session, checkpointing
+    from portable_fsdp.checkpoint import layout as checkpointing, session as checkpoint_session
 
     rank = backend.placement(state).rank
     for round_ in range(spec["disk_rounds"]):
@@ -161,7 +161,7 @@ def _step_time_lost(backend, state, config, plan, batches, spec) -> dict:
     the state to host memory during that step), and the wait for the commit once the steps are done."""
     import copy
 
-    from portable_fsdp import async_save, checkpoint_session
+    from portable_fsdp.checkpoint import async_save, session as checkpoint_session
 
     where = backend.placement(state)
     sharded_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)["SHARDED_STATE_DICT"])

@@ -4,7 +4,7 @@
 
 `steps`: trains a few steps through the torch backend's own `init` / `train_step`, counting the bytes
 each rank sends (see ByteCounter). `collectives`: times gloo's reduce_scatter_tensor and
-all_gather_into_tensor against our replacements (backends/torch/cpu_collectives.py) at the size of one
+all_gather_into_tensor against our replacements (portable_fsdp/backends/torch/cpu_collectives.py) at the size of one
 transformer layer.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from benchmarks.common import config_from_flags
 from portable_fsdp import backends
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 def sent_fraction(world: int) -> float:

@@ -22,7 +22,7 @@ def parse_benchmark_args(parser, argv=None):
     """The benchmark's own flags; every other argument must be a `--config.a.b=value` override, as
     `python -m portable_fsdp.run` takes it, and then applies to every run of the benchmark (checked here, so a
     bad one is the CLI's one-line error before anything runs)."""
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.errors import UserError
     from portable_fsdp.cli import config_overrides
 
@@ -50,7 +50,7 @@ TINY_MODEL = ["--config.model.hidden_size=64", "--config.model.intermediate_size
 def config_from_flags(flags: list):
     """The config `python -m portable_fsdp.run FLAGS` would run, parsed by the CLI's own code (a bad flag is
     the CLI's one-line UserError)."""
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.run import parse_args as parse_run_args
 
     config = load_recipe(None)

@@ -35,7 +35,7 @@ import time
 from benchmarks.common import ROOT, machine, table, write_json
 
 WORDS_SEED = 7
-TEST_RECIPE = str(ROOT / "configs" / "llama_tiny.py") + ":test"
+TEST_RECIPE = str(ROOT / "portable_fsdp" / "configs" / "llama_tiny.py") + ":test"
 
 
 # ---------------------------------------------------------------- corpora
@@ -82,7 +82,7 @@ def train_bpe(directory: pathlib.Path, corpus: pathlib.Path, vocab_size: int = 8
 # ---------------------------------------------------------------- throughput
 
 def data_config(source: pathlib.Path, tokenizer: str, cache_dir: pathlib.Path, num_proc: int):
-    from portable_fsdp.config import base_config
+    from portable_fsdp.config.schema import base_config
 
     cfg = base_config().data
     cfg.source, cfg.tokenizer, cfg.cache_dir, cfg.num_proc = str(source), tokenizer, str(cache_dir), num_proc

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import zipfile
 
-from portable_fsdp import gpu_packages  # (the package's __init__ imports nothing installed)
+from portable_fsdp.machine import gpu_packages  # (the package's __init__ imports nothing installed)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "gpu_wheels"

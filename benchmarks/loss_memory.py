@@ -47,9 +47,9 @@ def _worker(spec: dict) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     from portable_fsdp import backends
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.loader import TrainBatches, build_token_data
-    from portable_fsdp.validate import resolve_plan
+    from portable_fsdp.config.validate import resolve_plan
 
     config = load_recipe(None)
     for flag in spec["flags"]:

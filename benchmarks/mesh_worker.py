@@ -16,7 +16,7 @@ from benchmarks.comm_bytes import CommBytes
 from benchmarks.common import config_from_flags
 from portable_fsdp import backends
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 def fsdp_expected(model) -> dict:

@@ -117,7 +117,7 @@ class Suite:
         options = {"reshard on": [], "reshard off": ["--config.plan.reshard_after_forward=false"],
                    "cpu offload (no-op on a CPU run)": ["--config.plan.cpu_offload=true"],
                    "activation checkpointing": ["--config.plan.activation_checkpointing=true"]}
-        # the cpu backend keeps freed blocks for the next step (backends/torch/host_allocator.py); a fixed mmap
+        # the cpu backend keeps freed blocks for the next step (portable_fsdp/backends/torch/host_allocator.py); a fixed mmap
         # threshold, which a user may set instead, returns large blocks at once, for page faults on every new one
         unmapped = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
         rows = []

@@ -1,7 +1,7 @@
 """The same job on `--backend xla` (SPMD FSDPv2 over PJRT CPU devices) and `--backend cpu` (FSDP2 over gloo
 ranks): first-step time (on xla: mostly compilation), steady-state step time and tokens/s.
 
-    python -m benchmarks.xla_vs_cpu [--steps 40] [--nproc 2] [--recipe configs/llama_tiny.py]
+    python -m benchmarks.xla_vs_cpu [--steps 40] [--nproc 2] [--recipe portable_fsdp/configs/llama_tiny.py]
 
 Each backend is one run of the command with `log_every=1`; a step's time is its tokens over the tokens/s
 the metrics file records for it. Steady state is the median over the steps after the first `--warmup`.
@@ -28,7 +28,7 @@ def measure(backend: str, recipe: str, nproc: int, steps: int, warmup: int) -> d
 
 
 def _tokens_per_step(recipe: str) -> int:
-    from portable_fsdp.config import load_recipe
+    from portable_fsdp.config.schema import load_recipe
 
     config = load_recipe(recipe)
     return config.train.batch_size * config.data.seq_len
@@ -36,7 +36,7 @@ def _tokens_per_step(recipe: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default=str(ROOT / "configs" / "llama_tiny.py"))
+    parser.add_argument("--recipe", default=str(ROOT / "portable_fsdp" / "configs" / "llama_tiny.py"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady state")
     parser.add_argument("--nproc", type=int, default=2)

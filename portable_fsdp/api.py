@@ -21,13 +21,15 @@ from __future__ import annotations
 import os
 import pathlib
 
-from portable_fsdp import backends, checkpoint_session, checkpointing
-from portable_fsdp.config import apply_override, command_line_text, load_recipe
+from portable_fsdp import backends
+
+from portable_fsdp.checkpoint import layout as checkpointing, session as checkpoint_session
+from portable_fsdp.config.schema import apply_override, command_line_text, load_recipe
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
-from portable_fsdp.evaluation import evaluate
+from portable_fsdp.train.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
-from portable_fsdp.validate import check_backend, resolve_plan
+from portable_fsdp.config.validate import check_backend, resolve_plan
 
 __all__ = ["get_config", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
 
@@ -74,7 +76,7 @@ def load_backend(name: str = backends.DEFAULT):
     the environment torch's process group reads is set where unset, so `backend.init` needs no launcher."""
     backends.check_name(name, "backend")
     if "WORLD_SIZE" not in os.environ:
-        from portable_fsdp.launch import rendezvous_port
+        from portable_fsdp.launch.launcher import rendezvous_port
 
         os.environ.update({**_SINGLE_PROCESS, "MASTER_PORT": str(rendezvous_port())})
     return backends.load(name)
@@ -96,7 +98,7 @@ class Batches:
 def save(backend, state, workdir, config, plan: ShardingPlan, backend_name: str | None = None,
          keep_last_n: int = 0) -> pathlib.Path:
     """Write a checkpoint of `state` as the loop does (every rank calls it): workdir/checkpoints/step_N, committed
-    atomically, `latest` pointing at it (portable_fsdp.checkpoint_session.save). `backend_name`: the name the backend
+    atomically, `latest` pointing at it (portable_fsdp.checkpoint.session.save). `backend_name`: the name the backend
     was loaded as (default: the module's first name, e.g. cpu for the torch lowering). Returns the checkpoint's
     directory."""
     info = checkpoint_session.manifest_info(config, plan, _name_of(backend, backend_name), backend.placement(state))
@@ -124,7 +126,7 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
     defaults to runs/train-<time>. Raises UserError on a bad setting, RunFailed when the run fails after it
     started."""
-    from portable_fsdp import launch
+    from portable_fsdp.launch import launcher as launch
     from portable_fsdp.cli import default_workdir
 
     name = backends.resolve(backend, config)

@@ -133,7 +133,7 @@ class Backend(Protocol):
 
     def start_workers(self, config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
         """Start this machine's workers and return the run's summary (rank 0's; None where another process
-        returns it): `spec` is what `portable_fsdp.worker.main` runs, `nodes` the machines of the run
+        returns it): `spec` is what `portable_fsdp.launch.worker.main` runs, `nodes` the machines of the run
         (`accelerate_launch.LaunchSettings`), `checks(config, backend_name, world_size, workdir, device=None)`
         the launcher's start-up checks, to call once the world size is known and before any worker starts. A
         failed run prints its `error:` line and raises SystemExit with its exit status."""
@@ -148,7 +148,7 @@ class Backend(Protocol):
 
     def sharded_format(self) -> str:
         """The format of this backend's SHARDED_STATE_DICT checkpoints: backends with the same format resume
-        each other's (`portable_fsdp.checkpointing.check_compatible`)."""
+        each other's (`portable_fsdp.checkpoint.layout.check_compatible`)."""
 
     def convert_sharded(self, source: pathlib.Path, target: pathlib.Path) -> None:
         """Write a SHARDED_STATE_DICT checkpoint this backend saved as a FULL one (`python -m
@@ -191,12 +191,12 @@ class Backend(Protocol):
 
     def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write this rank's part of a checkpoint into `directory` (which exists), in the layout of
-        `portable_fsdp.checkpointing`: the product's backends call `portable_fsdp.checkpoint_files.write` with their
+        `portable_fsdp.checkpoint.layout`: the product's backends call `portable_fsdp.checkpoint.files.write` with their
         `checkpoint_files.Writer` (which files, on which process, in which order is decided there). Returns the
         files this rank wrote, {path: checksum entry when hashed while writing (checkpointing.HashingWriter), else
         None}: the checkpoint session checksums the others on this rank, right after. With train.async_save, a
         backend that writes in the background returns a concurrent.futures.Future of that dict instead, once the
-        state is copied (portable_fsdp/async_save.py finishes the save)."""
+        state is copied (portable_fsdp/checkpoint/async_save.py finishes the save)."""
 
     def export_weights(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write the model as FULL checkpoints hold it, without the optimizer state, into `directory` (which
@@ -224,18 +224,18 @@ class Backend(Protocol):
 
     def device_kind(self, state: TrainState) -> str:
         """The device this process computes on, as its framework names it ("NVIDIA H100 80GB HBM3",
-        "TPU v5 lite"; "cpu" on a CPU): MFU's datasheet peak is looked up by it (`portable_fsdp.hardware`)."""
+        "TPU v5 lite"; "cpu" on a CPU): MFU's datasheet peak is looked up by it (`portable_fsdp.machine.hardware`)."""
 
     def time_matmul(self, state: TrainState, size: int, dtype: str) -> float:
         """Seconds one (size × size) @ (size × size) product in `dtype` (a plan dtype name) takes, operands
         already on the device, until the result is ready, every device this process drives computing its own
-        copy at once: the primitive behind the measured peak, which `portable_fsdp.hardware` warms up and
+        copy at once: the primitive behind the measured peak, which `portable_fsdp.machine.hardware` warms up and
         repeats."""
 
     def time_all_reduce(self, state: TrainState, size: int) -> float:
         """Seconds one all-reduce (a sum) of `size` bytes of float32 over every device of the run takes, every
         device's operand already in place, until every result is ready: the primitive behind the measured
-        collective bandwidth, which `portable_fsdp.hardware` warms up, repeats and turns into bus bandwidth."""
+        collective bandwidth, which `portable_fsdp.machine.hardware` warms up, repeats and turns into bus bandwidth."""
 
     def model_info(self, state: TrainState) -> ModelInfo:
         """The `describe_model` of the model this state trains."""

@@ -149,7 +149,7 @@ XLA_SCHEDULES = NoEffect("XLA decides how the sharded computation is scheduled")
 # model.<name> when the model is known (validate.check_backend with describe_model's info); a rule about
 # them does not apply where the model is not known.
 MODEL_FIELDS = ("model_type", "attention_dropout", "attention_dropout_key", "sliding_window")
-FLAX_FAMILIES = ("llama", "qwen2", "mistral", "mixtral")  # the transformers model_types backends/flax builds
+FLAX_FAMILIES = ("llama", "qwen2", "mistral", "mixtral")  # the transformers model_types portable_fsdp/backends/flax builds
 CP_DROPOUT = ("= {value} (the model's {model.attention_dropout_key}): the portable context-parallel attention "
               "applies no dropout; set the model's {model.attention_dropout_key} to 0 in its config.json, or "
               "plan.cp_size=1")

@@ -7,7 +7,9 @@ import argparse
 import pathlib
 import sys
 
-from portable_fsdp import backends, checkpointing
+from portable_fsdp import backends
+
+from portable_fsdp.checkpoint import layout as checkpointing
 from portable_fsdp.errors import UserError
 
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from portable_fsdp import backends
-from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.plot import pyplot, save_figure
 from portable_fsdp.cli import Parser, config_overrides, default_workdir

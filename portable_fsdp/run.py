@@ -9,11 +9,13 @@ import pathlib
 import sys
 import warnings
 
-from portable_fsdp import accelerate_launch, backends
+from portable_fsdp import backends
+
+from portable_fsdp.config import accelerate as accelerate_launch
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
-from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
-from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option
+from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option
 
 
 def parse_args(argv):
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
             apply_override(config, key, value)
         if args.nproc is not None and args.nproc < 1:
             raise UserError("--nproc", f"must be at least 1 (got {args.nproc})")
-        from portable_fsdp.launch import under_torchrun
+        from portable_fsdp.launch.launcher import under_torchrun
 
         warnings.formatwarning = format_warning
         nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
             raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
                                           "machine writes to (a shared disk): checkpoints hold every rank's files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
-        from portable_fsdp import launch
+        from portable_fsdp.launch import launcher as launch
 
         launch.start(config, backend, workdir, nproc, nodes)
         return 0

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TEST_RECIPE = str(ROOT / "configs" / "llama_tiny.py") + ":test"
+TEST_RECIPE = str(ROOT / "portable_fsdp" / "configs" / "llama_tiny.py") + ":test"
 
 # Subprocesses see only the project: no hub, no torch_xla probing, one thread each on 2 cores.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from portable_fsdp import host_cores
+from portable_fsdp.machine import host_cores
 from portable_fsdp.data.sources import BadRow, Source, open_dataset
 from portable_fsdp.errors import UserError
 

@@ -19,9 +19,11 @@ import argparse
 import dataclasses
 import sys
 
-from portable_fsdp import backends, hardware
+from portable_fsdp import backends
+
+from portable_fsdp.machine import hardware
 from portable_fsdp.cli import Parser, config_overrides
-from portable_fsdp.config import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from portable_fsdp.estimate.fit import estimate_config
 from portable_fsdp.estimate.process import EstimateFailed, Estimator

@@ -9,7 +9,7 @@ from portable_fsdp.estimate.process import EstimateFailed, Estimator, Report
 from portable_fsdp.estimate.report import verdict
 from portable_fsdp.estimate.search import search
 from portable_fsdp.estimate.target import Target, resolve_target, tpu_from_environment
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 def estimate_config(config, target: Target, ranks: list | None = None, estimator: Estimator | None = None) -> Report:

@@ -12,10 +12,10 @@ import tempfile
 
 from portable_fsdp import backends
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.config import from_dict
+from portable_fsdp.config.schema import from_dict
 from portable_fsdp.errors import UserError
 from portable_fsdp.estimate.target import Target
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 class Estimator:
@@ -98,7 +98,7 @@ def serve() -> None:
 def _estimate_here(request: dict) -> dict:
     import warnings
 
-    from portable_fsdp.validate import check_backend
+    from portable_fsdp.config.validate import check_backend
 
     backend, world = request["backend"], request["world"]
     config = from_dict(request["config"])

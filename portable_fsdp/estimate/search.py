@@ -5,11 +5,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from portable_fsdp.config import apply_override, from_dict
+from portable_fsdp.config.schema import apply_override, from_dict
 from portable_fsdp.errors import UserError
 from portable_fsdp.estimate.process import Estimator, Report
 from portable_fsdp.estimate.target import Target
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 @dataclasses.dataclass(frozen=True)

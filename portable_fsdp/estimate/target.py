@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from portable_fsdp import backends, hardware, tpu_vm
+from portable_fsdp import backends
+
+from portable_fsdp.machine import hardware, tpu_vm
 from portable_fsdp.errors import UserError
 
 HEADROOM = 0.10  # of each device's memory, left for what is not modelled (allocator, CUDA context, NCCL buffers)

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from portable_fsdp import backends
-from portable_fsdp.config import command_line_text
+from portable_fsdp.config.schema import command_line_text
 from portable_fsdp.errors import UserError
 from portable_fsdp.cli import Parser
 from portable_fsdp.selftest import features, probe, report, runs
@@ -77,7 +77,7 @@ def measure_devices(backend: str, nproc: int, workdir: pathlib.Path) -> list:
 
 def probe_job(args) -> int:
     """The worker side of `measure_devices`: the launcher starts the backend's processes as for training."""
-    from portable_fsdp import launch
+    from portable_fsdp.launch import launcher as launch
 
     launch.start(features.model_config("llama", args.nproc), args.backend, pathlib.Path(args.workdir), args.nproc,
                  job="probe")

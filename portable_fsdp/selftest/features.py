@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from portable_fsdp import capabilities
-from portable_fsdp.config import apply_override, command_line_text, load_recipe
-from portable_fsdp.validate import capability_context, plan_from_config
+from portable_fsdp.config.schema import apply_override, command_line_text, load_recipe
+from portable_fsdp.config.validate import capability_context, plan_from_config
 
 # The two smoke models, each a bundled recipe and overrides: a dense Llama, and a mixture of experts that every
 # backend builds (Mixtral of the same sizes: 4 experts, 2 per token, with its router's load-balancing loss).

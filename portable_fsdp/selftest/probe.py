@@ -1,14 +1,14 @@
 """The self-test's measurements of the devices, a worker job (`worker.JOBS["probe"]`) started by the launcher as a
 training run is: the backend starts its runtime and a smoke-size model, then the devices' kind, memory, matmul
 rate in bfloat16 and float32 and all-reduce bus bandwidth are measured with the backend's own primitives
-(`time_matmul`, `time_all_reduce`; the rule is portable_fsdp.hardware's, as MFU's measured peak is). Rank 0 writes
+(`time_matmul`, `time_all_reduce`; the rule is portable_fsdp.machine.hardware's, as MFU's measured peak is). Rank 0 writes
 PROBE into the workdir. Imports no framework."""
 from __future__ import annotations
 
 import json
 import pathlib
 
-from portable_fsdp import hardware
+from portable_fsdp.machine import hardware
 
 PROBE = "probe.json"
 DTYPES = ("bfloat16", "float32")

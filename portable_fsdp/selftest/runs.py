@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from portable_fsdp import checkpointing
-from portable_fsdp.config import command_line_text
+from portable_fsdp.checkpoint import layout as checkpointing
+from portable_fsdp.config.schema import command_line_text
 from portable_fsdp.selftest.features import EXPORT, MODELS, RESUME, STOP, Feature, reference_overrides, run_settings
 
 RUN_TIMEOUT_S = 900  # one run at smoke size: start-up, compilation (torch.compile, XLA) and a few steps

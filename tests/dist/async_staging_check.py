@@ -11,11 +11,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from portable_fsdp import async_save, backends, checkpoint_session
+from portable_fsdp import backends
+
+from portable_fsdp.checkpoint import async_save, session as checkpoint_session
 from portable_fsdp.backends.torch import checkpoint
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.config.schema import apply_override, load_recipe
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Run under torchrun: our CPU collectives (backends/torch/cpu_collectives.py) against gloo's, used the way
+"""Run under torchrun: our CPU collectives (portable_fsdp/backends/torch/cpu_collectives.py) against gloo's, used the way
 FSDP2 uses them, several times with other sizes (the buffers alternate and grow), with shared memory
 working, in many rounds through small buffers, with no /dev/shm, with a rank that cannot see rank 0's
 file, and with a buffer that cannot be made after a call's first round. Writes {case: max abs

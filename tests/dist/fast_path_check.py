@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from portable_fsdp import backends
 from portable_fsdp.backends.torch.compile import compiled
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import make_config
 
 VARIANTS = {

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from portable_fsdp import host_memory
+from portable_fsdp.machine import host_memory
 from portable_fsdp.backends.hf_torch import model as model_lib
 from portable_fsdp.backends.torch import step as torch_step
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import make_config
 
 TIED = {"model.tie_word_embeddings": "true"}

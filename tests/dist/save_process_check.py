@@ -1,5 +1,5 @@
 """Run by test_save_process.py under torchrun (2 ranks, gloo): each rank's background checkpoint writer process
-(backends/torch/save_process.py) writes and checksums the staged shards, keeps running through Ctrl-C, reports a failed write
+(portable_fsdp/backends/torch/save_process.py) writes and checksums the staged shards, keeps running through Ctrl-C, reports a failed write
 and a death as errors naming the rank, and is gone after close."""
 import concurrent.futures
 import os
@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from portable_fsdp import checkpointing
+from portable_fsdp.checkpoint import layout as checkpointing
 from portable_fsdp.backends.torch import save_process, sharded_writer
 from portable_fsdp.backends.torch.checkpoint import _stager
 

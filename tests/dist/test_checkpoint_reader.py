@@ -1,4 +1,4 @@
-"""The SHARDED loader's file reader (backends/torch/checkpoint_reader.py) restores what torch.distributed.checkpoint
+"""The SHARDED loader's file reader (portable_fsdp/backends/torch/checkpoint_reader.py) restores what torch.distributed.checkpoint
 saved exactly as dcp's own reader does: every dtype, 0-d and empty tensors, a saved tensor that is not contiguous,
 a destination that is not, and the non-tensor entries dcp stores as bytes — from files dcp's own writer wrote and
 from ours (sharded_writer: checksummed as written, no zip CRC-32). In one process (dcp without a group)."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from portable_fsdp import checksums
+from portable_fsdp.checkpoint import checksums
 from portable_fsdp.backends.torch import sharded_writer
 from portable_fsdp.backends.torch.checkpoint_reader import Reader, _parse, _Slice
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from portable_fsdp import gpu_packages
+from portable_fsdp.machine import gpu_packages
 from portable_fsdp.errors import UserError
 from tests.dist.launch import torchrun
 from tests.parity.matrix import make_config

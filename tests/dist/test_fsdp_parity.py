@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.dist.launch import torchrun
-from portable_fsdp.validate import plan_from_config
+from portable_fsdp.config.validate import plan_from_config
 from tests.dist.eval_reference import check_eval_loss, check_predictions, reference_eval
 from tests.parity.matrix import VARIANTS, make_config, variants_for
 from tests.parity.reference import max_relative_difference, reference_losses

@@ -1,4 +1,4 @@
-"""The background checkpoint writer process of train.async_save on torch (backends/torch/save_process.py), on 2
+"""The background checkpoint writer process of train.async_save on torch (portable_fsdp/backends/torch/save_process.py), on 2
 gloo ranks: save_process_check.py."""
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""A world of one rank trains the plain module (backends/torch/parallelize.shards): no FSDP2 module, no DTensor,
+"""A world of one rank trains the plain module (portable_fsdp/backends/torch/parallelize.shards): no FSDP2 module, no DTensor,
 AdamW over the parameters themselves — and trains as the single-process reference does, with activation
 checkpointing, bf16 autocast, CPU offload (without effect there: host memory already), rank-0 loading of tied
 embeddings, accumulation; its eval_loss, predictions, memory report and FULL / SHARDED checkpoints work, and a

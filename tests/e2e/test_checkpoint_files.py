@@ -1,4 +1,4 @@
-"""FULL checkpoints as they must be at size (portable_fsdp/safetensors_shards.py, checkpointing.py): the weights
+"""FULL checkpoints as they must be at size (portable_fsdp/checkpoint/safetensors_shards.py, checkpointing.py): the weights
 in several safetensors files + an index, each written and checksummed by the rank that owns it, resumed on every
 backend and loaded by transformers' pipeline as they are; a bfloat16 export; an index naming a missing file."""
 import json
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from portable_fsdp import checkpointing
+from portable_fsdp.checkpoint import layout as checkpointing
 from tests.conftest import TEST_RECIPE, cli, read_metrics
 
 BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.steps=6",
@@ -155,7 +155,7 @@ def test_init_from_a_split_checkpoint_reads_every_file_through_the_index(stopped
     from safetensors.torch import load_file
 
     from portable_fsdp.backends.hf_torch.model import create_on_meta
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
 
     final = checkpointing.latest(stopped)
     config = load_recipe(TEST_RECIPE)

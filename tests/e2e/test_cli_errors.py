@@ -124,7 +124,7 @@ CASES = [
     (['--config.model.init_from=/nonexistent/model'],
      'error: model.init_from: /nonexistent/model is not a local model directory (no config.json) or a hub id (org/name)'),
     (['--config', '/nonexistent/recipe.py'],
-     'error: --config: no such recipe file /nonexistent/recipe.py; give a path like configs/llama_tiny.py'),
+     'error: --config: no such recipe file /nonexistent/recipe.py; give a path like portable_fsdp/configs/llama_tiny.py'),
     (['--fsdp_config', '/nonexistent/fsdp.json'],
      'error: --fsdp_config: no such file /nonexistent/fsdp.json'),
 ]
@@ -216,8 +216,8 @@ def test_fsdp_config_values_reach_the_plan(tmp_path):
 def test_wrapping_single_layers_warns_once_at_start_up(tmp_path):
     """`transformer_layer_cls_to_wrap: Linear` runs, with one warning about its communication, from the
     launcher (not once per rank)."""
-    from portable_fsdp import launch
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.launch import launcher as launch
+    from portable_fsdp.config.schema import apply_override, load_recipe
 
     config = load_recipe(TEST_RECIPE)
     apply_override(config, "plan.transformer_layer_cls_to_wrap", "Linear")

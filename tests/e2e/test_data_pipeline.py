@@ -15,7 +15,7 @@ def _losses(workdir):
 
 def test_chat_run_takes_the_loss_on_assistant_tokens(tmp_path):
     """data.format=chat: eval_tokens counts the assistant tokens of the eval batches, nothing else."""
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.batch import EvalBatches
     from portable_fsdp.data.loader import build_token_data
 

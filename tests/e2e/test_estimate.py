@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from portable_fsdp import estimate
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.config.schema import apply_override, load_recipe
 from portable_fsdp.errors import UserError
 from tests.conftest import ROOT, TEST_RECIPE
 
@@ -75,7 +75,7 @@ def test_a_model_too_large_for_its_device_exits_1_naming_settings_that_fit():
 
 
 @pytest.mark.parametrize("args, field", [
-    (["--config", "configs/llama_tiny.py:nope"], "--config"),
+    (["--config", "portable_fsdp/configs/llama_tiny.py:nope"], "--config"),
     (["--config", TEST_RECIPE, "--device", "h1000"], "--device"),
     (["--config", TEST_RECIPE, "--config.train.batch_size=3", "--nproc", "2"], "train.batch_size"),
 ])
@@ -86,7 +86,7 @@ def test_bad_input_is_one_error_line_and_exit_2(args, field):
 
 
 def test_check_fit_refuses_a_run_that_cannot_fit_before_anything_is_written(tmp_path):
-    from portable_fsdp import launch
+    from portable_fsdp.launch import launcher as launch
 
     config = overridden(TEST_RECIPE, {**WIDE, "train.check_fit": "true"})  # 36.7 GiB of state on a smaller host
     workdir = tmp_path / "run"
@@ -99,7 +99,7 @@ def test_check_fit_refuses_a_run_that_cannot_fit_before_anything_is_written(tmp_
 
 @pytest.mark.slow
 def test_llama3_8b_recipe_on_8_h100_fits():
-    proc = run_estimate("--config", "configs/llama3_8b.py:8xh100", "--device", "h100", "--nproc", "8")
+    proc = run_estimate("--config", "portable_fsdp/configs/llama3_8b.py:8xh100", "--device", "h100", "--nproc", "8")
     assert proc.returncode == 0, proc.stderr
     assert "8,030,261,248 parameters" in proc.stdout and "ranks 0, 7" in proc.stdout
     rows = {line[:24].strip(): line[24:].split() for line in proc.stdout.splitlines() if line.startswith("  ")}

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from portable_fsdp import checkpointing
+from portable_fsdp.checkpoint import layout as checkpointing
 from tests.conftest import TEST_RECIPE, cli, read_metrics
 from tests.e2e.test_training_runs import _eval_loss_outside_fsdp
 

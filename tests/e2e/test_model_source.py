@@ -5,7 +5,7 @@ import json
 import pytest
 
 from portable_fsdp.backends.hf_torch.model import describe_model, hf_config
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.config.schema import apply_override, load_recipe
 from tests.conftest import TEST_RECIPE
 from tests.unit._helpers import user_error
 

@@ -3,13 +3,13 @@ other weight, never the input embedding table. Each count is checked against a h
 config's sizes (described on the meta device: no weight is allocated), at smoke size and at Qwen3-30B-A3B's."""
 import pytest
 
-from portable_fsdp import metrics
+from portable_fsdp.train import metrics
 from portable_fsdp.backends.hf_torch.model import describe_model
-from portable_fsdp.config import load_recipe
+from portable_fsdp.config.schema import load_recipe
 from tests.conftest import ROOT
 from tests.parity import families
 
-RECIPE = str(ROOT / "configs" / "qwen3_30b_a3b.py")
+RECIPE = str(ROOT / "portable_fsdp" / "configs" / "qwen3_30b_a3b.py")
 
 
 def qwen3_moe_active(vocab, hidden, layers, heads, kv_heads, head_dim, moe_intermediate, experts, top_k) -> int:

@@ -1,4 +1,4 @@
-"""The big-model recipes (configs/llama3_8b.py, qwen2_5_7b.py, qwen3_30b_a3b.py): every variant passes start-up
+"""The big-model recipes (portable_fsdp/configs/llama3_8b.py, qwen2_5_7b.py, qwen3_30b_a3b.py): every variant passes start-up
 validation on the backend and process count it is written for, its model has the real model's size, and its
 `smoke` variant — the same architecture at CPU size — trains end to end on every backend that honours it (each
 recipe and each backend once by default, the whole grid under `slow`)."""
@@ -9,9 +9,9 @@ import pytest
 
 from portable_fsdp import api, capabilities
 from portable_fsdp.backends.hf_torch.model import describe_model
-from portable_fsdp.config import load_recipe
+from portable_fsdp.config.schema import load_recipe
 from portable_fsdp.configs.hardware import SMOKE_LAUNCH
-from portable_fsdp.validate import capability_context, plan_from_config
+from portable_fsdp.config.validate import capability_context, plan_from_config
 from tests.conftest import ROOT, cli, read_metrics
 
 RECIPES = {"llama3_8b": 8.03e9, "qwen2_5_7b": 7.62e9, "qwen3_30b_a3b": 30.5e9}
@@ -22,7 +22,7 @@ def variants(recipe: str) -> dict:
 
 
 def spec(recipe: str, variant: str) -> str:
-    return str(ROOT / "configs" / f"{recipe}.py") + f":{variant}"
+    return str(ROOT / "portable_fsdp" / "configs" / f"{recipe}.py") + f":{variant}"
 
 
 @pytest.mark.parametrize("recipe, variant", [(r, v) for r in RECIPES for v in variants(r)])

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from portable_fsdp import checkpointing
+from portable_fsdp.checkpoint import layout as checkpointing
 from tests.conftest import ROOT, TEST_RECIPE, cli, read_metrics
 
 BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.save_every=5"]

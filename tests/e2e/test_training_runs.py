@@ -55,7 +55,7 @@ def _eval_loss_outside_fsdp(model_dir, overrides):
     """eval_loss of a saved checkpoint computed with plain transformers, over the same eval batches."""
     from transformers import AutoModelForCausalLM
 
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.batch import IGNORE_INDEX
     from portable_fsdp.data.batch import EvalBatches
     from portable_fsdp.data.loader import build_token_data
@@ -120,7 +120,7 @@ def test_local_pretrained_model_and_datasets_file(tmp_path):
     JSONL file through `datasets`: the first loss is that of the saved weights on the first batch."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from portable_fsdp.config import apply_override, load_recipe
+    from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.loader import TrainBatches, build_token_data
 
     torch.manual_seed(123)

@@ -15,7 +15,7 @@ configure_host_devices(HOST_DEVICES)
 
 
 def make_config(overrides: dict | None = None):
-    """configs/llama_tiny.py:test with `--config.KEY=VALUE` overrides."""
+    """portable_fsdp/configs/llama_tiny.py:test with `--config.KEY=VALUE` overrides."""
     from tests.parity import matrix
 
     return matrix.make_config(overrides or {})
@@ -23,7 +23,7 @@ def make_config(overrides: dict | None = None):
 
 def init_state(config, world_size: int):
     from portable_fsdp.backends.flax import step
-    from portable_fsdp.validate import resolve_plan
+    from portable_fsdp.config.validate import resolve_plan
 
     return step.init(config, resolve_plan(config, world_size), "flax")
 

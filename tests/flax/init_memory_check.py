@@ -15,10 +15,10 @@ configure_host_devices(2)
 
 import jax  # noqa: E402
 
-from portable_fsdp import host_memory  # noqa: E402
+from portable_fsdp.machine import host_memory  # noqa: E402
 from portable_fsdp.backends.flax import architecture, torch_weights, initial, model as model_lib, sharding  # noqa: E402
 from portable_fsdp.backends.hf_torch.model import create_model  # noqa: E402
-from portable_fsdp.validate import resolve_plan  # noqa: E402
+from portable_fsdp.config.validate import resolve_plan  # noqa: E402
 from tests.dist.meta_init_check import LLAMA_100M  # noqa: E402
 from tests.parity.matrix import make_config  # noqa: E402
 

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from portable_fsdp.backends.flax import architecture, torch_weights, devices, initial, sharding  # noqa: E402
 from portable_fsdp.backends.hf_torch.model import create_model  # noqa: E402
 from portable_fsdp.mesh_fit import tensor_parallel_plan  # noqa: E402
-from portable_fsdp.validate import resolve_plan  # noqa: E402
+from portable_fsdp.config.validate import resolve_plan  # noqa: E402
 from tests.parity.matrix import make_config  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from portable_fsdp import host_memory, tpu_vm
+from portable_fsdp.machine import host_memory, tpu_vm
 from portable_fsdp.backends.flax import devices, resources
 from portable_fsdp.errors import UserError
 

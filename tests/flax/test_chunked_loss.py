@@ -1,4 +1,4 @@
-"""The flax loss a chunk of tokens at a time (backends/flax/loss.py): the same number and gradients as the loss on
+"""The flax loss a chunk of tokens at a time (portable_fsdp/backends/flax/loss.py): the same number and gradients as the loss on
 the whole batch's logits, unsharded and over a mesh, tied or not, with ignored tokens and a last chunk shorter
 than the others. Training runs with small chunks: the matrix's loss_chunks variants (test_parity.py)."""
 import jax
@@ -9,7 +9,7 @@ import pytest
 from portable_fsdp.backends.flax import model as model_lib
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum, token_loss_sum
 from portable_fsdp.data.batch import IGNORE_INDEX
-from portable_fsdp.loss_chunks import Chunking
+from portable_fsdp.train.loss_chunks import Chunking
 from tests.flax.conftest import needs_devices
 
 FP32_RTOL = 1e-6

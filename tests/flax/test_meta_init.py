@@ -1,5 +1,5 @@
 """The flax backend places its initial weights one parameter at a time from the transformers model on the meta
-device (backends/flax/initial.py): bit for bit the values of the whole build it replaces (create_model, its state
+device (portable_fsdp/backends/flax/initial.py): bit for bit the values of the whole build it replaces (create_model, its state
 dict converted), with the plan's shardings, the same hf config and torch names for checkpoints, and no whole
 torch model built; the process holds about one model at its largest; with several JAX processes, each copies
 only the shards of its own devices."""

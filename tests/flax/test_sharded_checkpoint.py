@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from portable_fsdp import checkpointing
+from portable_fsdp.checkpoint import layout as checkpointing
 from tests.conftest import TEST_RECIPE, cli
 from tests.flax.conftest import make_config, needs_devices
 from tests.flax.test_resume import run_in_process

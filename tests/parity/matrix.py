@@ -15,10 +15,10 @@ import dataclasses
 import os
 
 from portable_fsdp import capabilities
-from portable_fsdp.config import apply_override, command_line_text, load_recipe
-from portable_fsdp.validate import capability_context, plan_from_config
+from portable_fsdp.config.schema import apply_override, command_line_text, load_recipe
+from portable_fsdp.config.validate import capability_context, plan_from_config
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama_tiny.py") + ":test"
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "portable_fsdp", "configs", "llama_tiny.py") + ":test"
 BACKENDS = ("cpu", "xla", "flax")  # cuda runs the cpu lowering on NCCL (tests/e2e/test_gpu.py)
 
 

@@ -1,4 +1,4 @@
-"""The torch loss a chunk of tokens at a time (backends/hf_torch/chunked_loss.py), inside the model's call: the
+"""The torch loss a chunk of tokens at a time (portable_fsdp/backends/hf_torch/chunked_loss.py), inside the model's call: the
 same loss and gradients as the cross-entropy of the whole micro-batch's logits — tied or not, with ignored
 tokens, a last chunk shorter than the others, a biased projection split over rows and sequence parts as SPMD
 splits them, a MoE router loss added —; predictions still get logits; a model that changes its logits after the
@@ -14,7 +14,7 @@ from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, token_loss_sum
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
-from portable_fsdp.loss_chunks import Chunking
+from portable_fsdp.train.loss_chunks import Chunking
 
 FP32_RTOL = 1e-6
 GRAD_RTOL = 1e-5  # measured: 3e-7 (the weight gradient summed over chunks in another order)

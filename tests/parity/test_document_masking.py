@@ -5,7 +5,7 @@ import torch
 
 from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.backends.hf_torch.loss import token_loss_sum
-from portable_fsdp.config import load_recipe
+from portable_fsdp.config.schema import load_recipe
 from portable_fsdp.data.batch import IGNORE_INDEX, as_batch
 
 EOS = 256

@@ -17,9 +17,9 @@ from tests.parity import families
 TP = 2
 MESH = MeshSpec(fsdp_size=2, tp_size=TP).resolve(4)
 # Every family the backends train (tests/parity/families.py; GPT-2 ships no plan, so tp is refused for it) and
-# Qwen3-MoE (configs/qwen3_30b_a3b.py): q/k norms whole with their gradients summed, dense keys beside experts.
+# Qwen3-MoE (portable_fsdp/configs/qwen3_30b_a3b.py): q/k norms whole with their gradients summed, dense keys beside experts.
 PLANNED = tuple(f for f in families.FAMILIES if f != "gpt2") + ("qwen3_moe",)
-FLAX_BUILDS = ("llama", "qwen2", "mistral", "mixtral")  # backends/flax/architecture.py: FLAX_FAMILIES
+FLAX_BUILDS = ("llama", "qwen2", "mistral", "mixtral")  # portable_fsdp/backends/flax/architecture.py: FLAX_FAMILIES
 # A plan a user writes: the embedding split by vocabulary (an embedding is [vocab, hidden], no Linear).
 USER_PLAN = {"embed_tokens": "rowwise", **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
              "layers.*.self_attn.o_proj": "rowwise"}
@@ -58,7 +58,7 @@ def tp_mesh():
 
 def torch_split(config, tp_plan: dict, tp_mesh, strict: bool = False) -> dict:
     """{parameter of the base model: the dimension torch's DTensor shards over tp, or None}; `strict` as for a
-    plan the user wrote (backends/torch/parallelize.py)."""
+    plan the user wrote (portable_fsdp/backends/torch/parallelize.py)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from portable_fsdp.backends.torch.tensor_parallel import apply_tensor_parallel

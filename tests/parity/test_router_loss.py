@@ -1,4 +1,4 @@
-"""The router load-balancing loss the torch backend trains on (backends/hf_torch/loss.py): each rank's share, with
+"""The router load-balancing loss the torch backend trains on (portable_fsdp/backends/hf_torch/loss.py): each rank's share, with
 the choices per expert summed over the ranks, adds up to transformers' own loss over the whole batch — value and
 gradient — where the loss of each rank's rows, averaged, does not. Two ranks simulated in one process."""
 import torch

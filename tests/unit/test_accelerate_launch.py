@@ -1,9 +1,9 @@
-"""An Accelerate YAML's launch keys + the command line -> LaunchSettings (portable_fsdp/accelerate_launch.py)."""
+"""An Accelerate YAML's launch keys + the command line -> LaunchSettings (portable_fsdp/config/accelerate.py)."""
 import warnings
 
 import pytest
 
-from portable_fsdp.accelerate_launch import IgnoredKey, LaunchSettings, from_file
+from portable_fsdp.config.accelerate import IgnoredKey, LaunchSettings, from_file
 from portable_fsdp.errors import UserError
 
 # Verbatim as `accelerate config` writes it: TRL's examples/accelerate_configs/fsdp2.yaml.

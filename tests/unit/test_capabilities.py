@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from portable_fsdp import capabilities
-from portable_fsdp.config import apply_override, base_config, load_recipe
-from portable_fsdp.validate import check_backend, resolve_plan
+from portable_fsdp.config.schema import apply_override, base_config, load_recipe
+from portable_fsdp.config.validate import check_backend, resolve_plan
 from tests.conftest import ROOT, TEST_RECIPE
 from tests.unit._helpers import user_error
 

@@ -1,11 +1,11 @@
-"""The shared checkpoint layout and atomic commit (portable_fsdp/checkpointing.py)."""
+"""The shared checkpoint layout and atomic commit (portable_fsdp/checkpoint/layout.py)."""
 import json
 import os
 
 import pytest
 import xxhash
 
-from portable_fsdp import checkpointing as ckpt, checksums
+from portable_fsdp.checkpoint import checksums, layout as ckpt
 from tests.unit._helpers import user_error
 
 
@@ -145,7 +145,7 @@ def test_verify_detects_truncation_missing_files_and_bad_manifests(tmp_path):
 
 
 def test_check_compatible_refuses_another_model_shape():
-    from portable_fsdp.config import base_config
+    from portable_fsdp.config.schema import base_config
 
     config = base_config()
     manifest = {"config": {"model": {**config.model.to_dict(), "hidden_size": 256}}}
@@ -159,7 +159,7 @@ def test_check_compatible_refuses_another_model_shape():
     ("cpu", "xla", False), ("xla", "cpu", False), ("xla", "flax", False), ("cpu", "flax", False),
 ])
 def test_a_sharded_checkpoint_resumes_where_its_format_is_read(written_by, resumed_by, readable):
-    from portable_fsdp.config import base_config
+    from portable_fsdp.config.schema import base_config
 
     config = base_config()
     manifest = {"backend": written_by, "state_dict_type": "SHARDED_STATE_DICT",

@@ -1,5 +1,5 @@
 """Checkpoint files checksummed block by block, and the blocks of one large file verified by several ranks
-(portable_fsdp/checksums.py, checkpointing.verify)."""
+(portable_fsdp/checkpoint/checksums.py, checkpointing.verify)."""
 import hashlib
 import json
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import xxhash
 
-from portable_fsdp import checkpointing as ckpt, checksums
+from portable_fsdp.checkpoint import checksums, layout as ckpt
 from tests.unit._helpers import user_error
 
 

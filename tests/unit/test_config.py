@@ -1,18 +1,18 @@
-"""Recipes and command-line overrides (portable_fsdp/config.py)."""
+"""Recipes and command-line overrides (portable_fsdp/config/schema.py)."""
 import textwrap
 
 import ml_collections
 import pytest
 
-from portable_fsdp import config as config_lib
-from portable_fsdp.config import apply_override, base_config, load_recipe, parse_value, set_field
+from portable_fsdp.config import schema as config_lib
+from portable_fsdp.config.schema import apply_override, base_config, load_recipe, parse_value, set_field
 from tests.conftest import ROOT, TEST_RECIPE
 from tests.unit._helpers import user_error
 
 
 def write_recipe(tmp_path, body, name="recipe.py"):
     path = tmp_path / name
-    path.write_text("from portable_fsdp.config import base_config\n\n" + textwrap.dedent(body))
+    path.write_text("from portable_fsdp.config.schema import base_config\n\n" + textwrap.dedent(body))
     return path
 
 
@@ -43,7 +43,7 @@ def test_recipe_path_with_variant():
 
 def test_relative_recipe_path_with_variant(monkeypatch):
     monkeypatch.chdir(ROOT)
-    config = load_recipe("configs/llama_tiny.py:test")
+    config = load_recipe("portable_fsdp/configs/llama_tiny.py:test")
     assert config.model.num_hidden_layers == 2
 
 
@@ -86,7 +86,7 @@ def test_unknown_variant_is_a_user_error():
     # llama_tiny.get_config raises ValueError for an unknown variant; a user's typo after ':' should
     # come back as one `error: --config: ...` line (exit 2), not a traceback.
     with user_error("--config", "bogus"):
-        load_recipe(str(ROOT / "configs" / "llama_tiny.py") + ":bogus")
+        load_recipe(str(ROOT / "portable_fsdp" / "configs" / "llama_tiny.py") + ":bogus")
 
 
 @pytest.mark.parametrize("line, field", [
@@ -195,7 +195,7 @@ def test_override_unknown_field_suggests(config, dotted, suggestion):
 
 
 def test_override_unknown_field_without_close_match(config):
-    with user_error("config.zzzz.qqqq", "unknown field; see portable_fsdp/config.py"):
+    with user_error("config.zzzz.qqqq", "unknown field; see portable_fsdp/config/schema.py"):
         apply_override(config, "zzzz.qqqq", "1")
 
 

@@ -1,6 +1,6 @@
 """The core asks a backend through its module (the `Backend` contract) and never branches on its name: adding a
 backend is adding a folder and a registry entry. Read from the source: no core module compares a backend name
-with a registered one or imports a backend's package; the registry (backends/__init__.py) and the capability
+with a registered one or imports a backend's package; the registry (portable_fsdp/backends/__init__.py) and the capability
 table (whose columns are the backends) are where names live."""
 import ast
 

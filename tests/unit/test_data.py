@@ -5,7 +5,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from portable_fsdp.config import base_config
+from portable_fsdp.config.schema import base_config
 from portable_fsdp.data import batch as batch_lib, sources, tokenizers
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.data.batch import EvalBatches

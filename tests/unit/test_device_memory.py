@@ -3,7 +3,7 @@ caching allocator's allocated and reserved bytes, and the driver's view for the 
 buffers, which no allocator counter sees). On the CPU every figure is the process's resident set."""
 import torch
 
-from portable_fsdp import host_memory
+from portable_fsdp.machine import host_memory
 from portable_fsdp.backends.torch import resources
 
 MiB, GiB = 2**20, 2**30

@@ -5,9 +5,11 @@ import dataclasses
 
 import pytest
 
-from portable_fsdp import backends, estimate, hardware
+from portable_fsdp import backends, estimate
+
+from portable_fsdp.machine import hardware
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.config import load_recipe
+from portable_fsdp.config.schema import load_recipe
 from portable_fsdp.errors import UserError
 
 GiB = 2**30

@@ -6,10 +6,10 @@ import tempfile
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from portable_fsdp import backends
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.config.schema import apply_override, load_recipe
 from portable_fsdp.errors import UserError
-from portable_fsdp.hf_import import apply_fsdp_dict
-from portable_fsdp.launch import preflight
+from portable_fsdp.config.hf_import import apply_fsdp_dict
+from portable_fsdp.launch.launcher import preflight
 
 VALUES = {
     "plan.fsdp_size": st.sampled_from(["-1", "0", "1", "2", "3", "-5", "x"]),

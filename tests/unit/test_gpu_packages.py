@@ -1,7 +1,7 @@
 """The torchao release that goes with each torch (its compiled parts load only into the torch they were built for)."""
 import pytest
 
-from portable_fsdp import gpu_packages
+from portable_fsdp.machine import gpu_packages
 
 
 @pytest.mark.parametrize("torch_version, torchao", [("2.9.0", "0.14.1"), ("2.9.1+cu128", "0.14.1"),

@@ -1,10 +1,14 @@
-"""The rules the core owns for every backend: MFU's peak (portable_fsdp.hardware), its FLOPs without the
+"""The rules the core owns for every backend: MFU's peak (portable_fsdp.machine.hardware), its FLOPs without the
 embedding table, and when a resume restores the saved RNG."""
 import warnings
 
 import pytest
 
-from portable_fsdp import checkpointing, hardware, metrics
+from portable_fsdp.checkpoint import layout as checkpointing
+
+from portable_fsdp.machine import hardware
+
+from portable_fsdp.train import metrics
 from portable_fsdp.backend import ModelInfo
 
 T = 1e12

@@ -1,13 +1,13 @@
-"""Hugging Face fsdp_config JSON and Accelerate YAML onto config.plan (portable_fsdp/hf_import.py)."""
+"""Hugging Face fsdp_config JSON and Accelerate YAML onto config.plan (portable_fsdp/config/hf_import.py)."""
 import json
 import textwrap
 import warnings
 
 import pytest
 
-from portable_fsdp import validate
-from portable_fsdp.config import base_config
-from portable_fsdp.hf_import import apply_fsdp_file, apply_fsdp_option, xla_settings_onto_spmd_plan
+from portable_fsdp.config import validate
+from portable_fsdp.config.schema import base_config
+from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, xla_settings_onto_spmd_plan
 from portable_fsdp.plan import MixedPrecision, StateDictType, WrapPolicy
 from tests.unit._helpers import user_error
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from portable_fsdp import host_cores
+from portable_fsdp.machine import host_cores
 from portable_fsdp.backends.torch.distributed import device_index
 from portable_fsdp.errors import UserError
 

@@ -5,17 +5,12 @@ import ast
 
 from tests.conftest import ROOT
 
-# Where each source folder's modules live in the installed package.
-FOLDERS = {"portable_fsdp": "portable_fsdp", "backends": "portable_fsdp.backends", "configs": "portable_fsdp.configs"}
-
-
 def modules() -> dict:
     """{dotted module name: its source path}."""
     found = {}
-    for folder, package in FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = [*package.split("."), *path.relative_to(ROOT / folder).with_suffix("").parts]
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (ROOT / "portable_fsdp").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 

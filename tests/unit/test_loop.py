@@ -7,10 +7,12 @@ import time
 
 import pytest
 
-from portable_fsdp import checkpointing, loop
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp.checkpoint import layout as checkpointing
+
+from portable_fsdp.train import loop
+from portable_fsdp.config.schema import apply_override, load_recipe
 from portable_fsdp.backend import MEMORY_KEYS, ModelInfo, Placement
-from portable_fsdp.validate import resolve_plan
+from portable_fsdp.config.validate import resolve_plan
 from tests.unit._helpers import user_error
 
 

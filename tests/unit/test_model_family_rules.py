@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.config import apply_override, load_recipe
-from portable_fsdp.validate import check_backend, resolve_plan
+from portable_fsdp.config.schema import apply_override, load_recipe
+from portable_fsdp.config.validate import check_backend, resolve_plan
 from tests.conftest import TEST_RECIPE
 from tests.unit._helpers import user_error
 

@@ -20,10 +20,13 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in frameworks)
 
 
 def core_modules() -> list:
-    """Every module under portable_fsdp/ (the installed backends/ and configs/ are not part of the core)."""
+    """Every module under portable_fsdp/ but the backends' and the recipes' (portable_fsdp/backends/,
+    portable_fsdp/configs/: not part of the core)."""
     names = []
     for path in sorted((ROOT / "portable_fsdp").rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[1] in ("backends", "configs"):
+            continue
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
@@ -37,7 +40,7 @@ def imported_frameworks(modules):
 
 def test_the_discovery_sees_the_whole_core():
     modules = core_modules()
-    assert {"portable_fsdp", "portable_fsdp.loop", "portable_fsdp.worker", "portable_fsdp.launch",
+    assert {"portable_fsdp", "portable_fsdp.train.loop", "portable_fsdp.launch.worker", "portable_fsdp.launch.launcher",
             "portable_fsdp.data.loader", "portable_fsdp.api"} <= set(modules)
     assert not any(m.startswith(("portable_fsdp.backends", "portable_fsdp.configs")) for m in modules)
 
@@ -48,8 +51,8 @@ def test_no_core_module_imports_a_framework():
 
 # Alone as well: what a user runs or imports first must load cleanly by itself (a circular import, for one,
 # only shows when its module is imported first).
-@pytest.mark.parametrize("module", ["portable_fsdp", "portable_fsdp.api", "portable_fsdp.run", "portable_fsdp.launch",
-                                    "portable_fsdp.worker", "portable_fsdp.crosscheck"])
+@pytest.mark.parametrize("module", ["portable_fsdp", "portable_fsdp.api", "portable_fsdp.run", "portable_fsdp.launch.launcher",
+                                    "portable_fsdp.launch.worker", "portable_fsdp.crosscheck"])
 def test_entry_points_alone_import_no_framework(module):
     assert imported_frameworks([module]) == "[]"
 

@@ -1,12 +1,12 @@
-"""The neutral plan (portable_fsdp/plan.py) and start-up validation (portable_fsdp/validate.py)."""
+"""The neutral plan (portable_fsdp/plan.py) and start-up validation (portable_fsdp/config/validate.py)."""
 import dataclasses
 import math
 
 import pytest
 
 from portable_fsdp import plan as plan_lib
-from portable_fsdp import config as config_lib, validate
-from portable_fsdp.config import apply_override, base_config
+from portable_fsdp.config import schema as config_lib, validate
+from portable_fsdp.config.schema import apply_override, base_config
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.plan import MeshSpec, MixedPrecision, ShardingPlan, StateDictType, WrapPolicy, plan_fields
 from tests.unit._helpers import user_error

@@ -1,4 +1,4 @@
-"""FULL checkpoints' weight files written a tensor at a time by several ranks (portable_fsdp/safetensors_shards.py):
+"""FULL checkpoints' weight files written a tensor at a time by several ranks (portable_fsdp/checkpoint/safetensors_shards.py):
 what the safetensors library and transformers' index reader see, and how a missing shard is refused."""
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from portable_fsdp import safetensors_shards as shards
+from portable_fsdp.checkpoint import safetensors_shards as shards
 from tests.unit._helpers import user_error
 
 

@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from portable_fsdp import evaluation, metrics, schedule
+from portable_fsdp.train import evaluation, metrics, schedule
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.config import base_config
+from portable_fsdp.config.schema import base_config
 
 LR = 1e-3
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from portable_fsdp import hardware
+from portable_fsdp.machine import hardware
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.selftest import features, probe, report, runs
 

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from portable_fsdp.config import base_config
+from portable_fsdp.config.schema import base_config
 from portable_fsdp.data.batch import DATA_STATE, IGNORE_INDEX
 from portable_fsdp.data.loader import build_token_data, open_data
 from portable_fsdp.data.streaming import StreamingBatches

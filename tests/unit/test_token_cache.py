@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from portable_fsdp.config import base_config
+from portable_fsdp.config.schema import base_config
 from portable_fsdp.data import batch as batch_lib, cache, loader, sources
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.data.batch import EvalBatches
@@ -143,7 +143,7 @@ def test_other_local_ranks_wait_for_local_rank_0(tmp_path, monkeypatch):
     path.write_text("\n\n".join(f"document {i} " * 30 for i in range(200)))
     env = {**os.environ, "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
     builder = subprocess.Popen([sys.executable, "-c", (
-        "from portable_fsdp.config import base_config\n"
+        "from portable_fsdp.config.schema import base_config\n"
         "from portable_fsdp.data.loader import build_token_data\n"
         f"cfg = base_config().data; cfg.source = {str(path)!r}; cfg.seq_len = 16\n"
         "build_token_data(cfg, 384, 4)\n")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

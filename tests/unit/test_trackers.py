@@ -4,8 +4,10 @@ import sys
 
 import pytest
 
-from portable_fsdp import run, trackers
-from portable_fsdp.config import apply_override, load_recipe
+from portable_fsdp import run
+
+from portable_fsdp.train import trackers
+from portable_fsdp.config.schema import apply_override, load_recipe
 from tests.conftest import TEST_RECIPE
 from tests.tracker_files import scalar_steps, tensorboard_events, wandb_config, wandb_history, wandb_records
 from tests.unit._helpers import user_error

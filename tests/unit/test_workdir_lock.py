@@ -1,4 +1,4 @@
-"""One run per workdir (portable_fsdp/workdir_lock.py): a live holder refuses a second start; a holder that died
+"""One run per workdir (portable_fsdp/launch/workdir_lock.py): a live holder refuses a second start; a holder that died
 (SIGKILL, or a stale file naming a dead pid) is taken over with one warning; another machine's lock counts while
 its heartbeat is fresh."""
 import json
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from portable_fsdp import workdir_lock
+from portable_fsdp.launch import workdir_lock
 from tests.conftest import ROOT
 from tests.unit._helpers import user_error
 
@@ -69,7 +69,7 @@ def test_the_early_check_refuses_a_live_run_and_writes_nothing(tmp_path):
 
 def test_a_run_killed_with_sigkill_is_taken_over(tmp_path, capsys):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from portable_fsdp import workdir_lock; "
+        [sys.executable, "-c", "import sys, time; from portable_fsdp.launch import workdir_lock; "
          "workdir_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -140,7 +140,7 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
     """Killed with SIGKILL, the launcher's lock is gone at once: its workers must not train (or save) on."""
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
-         "'import os, time; from portable_fsdp import worker; worker._die_with_launcher(os.getppid()); "
+         "'import os, time; from portable_fsdp.launch import worker; worker._die_with_launcher(os.getppid()); "
          "print(os.getpid(), flush=True); time.sleep(60)']); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     worker_pid = int(launcher.stdout.readline())

@@ -28,9 +28,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from portable_fsdp import host_memory  # noqa: E402
+from portable_fsdp.machine import host_memory  # noqa: E402
 from portable_fsdp.backends.xla import step as xla_step  # noqa: E402
-from portable_fsdp.validate import resolve_plan  # noqa: E402
+from portable_fsdp.config.validate import resolve_plan  # noqa: E402
 from tests.parity.matrix import make_config  # noqa: E402
 
 TIED = {"model.tie_word_embeddings": "true"}

@@ -1,4 +1,4 @@
-"""The xla backend's placement rules (backends/xla/layout.py) as data: which mesh axes each dimension of a
+"""The xla backend's placement rules (portable_fsdp/backends/xla/layout.py) as data: which mesh axes each dimension of a
 parameter, a batch and an activation is split over. Plain Python, no torch_xla: milliseconds."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""SPMD FSDPv2 starts from the meta device (hf_torch.model.create_on_meta, backends/xla/materialize.py): each
+"""SPMD FSDPv2 starts from the meta device (hf_torch.model.create_on_meta, portable_fsdp/backends/xla/materialize.py): each
 parameter's full value is made on the host and sent to the devices already sharded, one parameter at a time.
 The initial weights and buffers gathered to the CPU are the build-whole path's bit for bit, with the same
 shardings, ties and frozen parameters — a tiny Llama on 2 devices by default; slow, on 4: tied embeddings with

@@ -1,6 +1,6 @@
 """Every model family trains on --backend xla (SPMD FSDPv2 over 2 PJRT CPU devices) from `model.init_from`, with
 the losses of a single-process plain-torch run of the same model (tests/parity/families.py). Mixtral is the
-case xla needed a fix for (backends/xla/moe.py) and runs by default; the other families are slow (Qwen2 runs by
+case xla needed a fix for (portable_fsdp/backends/xla/moe.py) and runs by default; the other families are slow (Qwen2 runs by
 default on cpu and flax).
 Slow too: the mesh axes on the families that need them — Qwen2 (q/k/v biases) with tensor and with Ulysses
 sequence parallelism, Mixtral with its experts split over ep devices (alone and with fsdp 4 = 2 x ep 2)."""

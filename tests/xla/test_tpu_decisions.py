@@ -1,5 +1,5 @@
 """What torch_xla does on a TPU that PJRT CPU hides, reproduced where the mechanism runs on the CPU (the SPMD virtual
-device that runtime queries refuse), and the decisions of backends/xla/resources.py and environment.py with the
+device that runtime queries refuse), and the decisions of portable_fsdp/backends/xla/resources.py and environment.py with the
 TPU injected (its accelerator type, libtpu's HBM figures, torch_xla's memory info): no TPU here. torch_xla itself
 is imported only in the subprocess: importing it settles PJRT_DEVICE for every later one."""
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from portable_fsdp import tpu_vm
+from portable_fsdp.machine import tpu_vm
 from portable_fsdp.backends.xla import environment, resources
 from portable_fsdp.errors import UserError
 from tests.conftest import ROOT

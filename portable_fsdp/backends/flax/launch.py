@@ -1,0 +1,70 @@
+"""Starting `--backend flax`, and what the command asks of it before jax starts: one JAX process drives `--nproc`
+devices (host CPU devices unless JAX_PLATFORMS or the host's accelerator names others), so there is no launcher
+and the plan's world size is the device count. On several machines each machine's launcher is one JAX process
+(machine_rank of num_machines, meeting at main_process_ip:main_process_port) and the world is every machine's
+devices. Nothing here imports jax: host devices are set up before it starts."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from portable_fsdp.launch import worker
+from portable_fsdp.backends.flax.devices import HOST_DEVICE_COUNT_FLAG, configure_host_devices, default_count, join, platform
+from portable_fsdp.errors import UserError
+from portable_fsdp.launch.launcher import under_torchrun
+
+
+def device_type(backend: str) -> str:
+    return platform()
+
+
+def default_nproc(backend: str) -> int:
+    return default_count()  # every device of the host's accelerator, else 2 CPU devices
+
+
+def prepare_config(config) -> None:
+    """The plan is read as it is."""
+
+
+def check_machines(nodes, path: str) -> None:
+    if nodes.rdzv_backend != "static":
+        raise UserError(f"{path}: rdzv_backend", (
+            f"{nodes.rdzv_backend}: --backend flax joins jax.distributed with machine_rank as the process id, which "
+            f"{nodes.rdzv_backend} does not keep; write rdzv_backend: static"))
+
+
+def owns_workdir(nodes) -> bool:
+    return nodes.machine_rank == 0
+
+
+def sharded_format() -> str:
+    return "orbax"
+
+
+def convert_sharded(source: pathlib.Path, target: pathlib.Path) -> None:
+    raise UserError("source", (
+        f"{source} is a SHARDED_STATE_DICT checkpoint of --backend flax (orbax files), which this converter does "
+        "not read; run with --config.train.export_full_at_end=true for its FULL weights, or resume it on "
+        "--backend flax with --config.plan.state_dict_type=FULL_STATE_DICT, whose saves are FULL"))
+
+
+def estimate_devices(backend: str) -> tuple:
+    return ("cpu", "gpu", "tpu")
+
+
+def estimator_environment(nproc: int) -> dict:
+    """N host devices stand in for the N accelerators."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICE_COUNT_FLAG)]
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICE_COUNT_FLAG}={nproc}"])}
+
+
+def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict:
+    if under_torchrun():
+        raise UserError("--backend", "flax runs as one process driving every device; start it without torchrun")
+    configure_host_devices(nproc)
+    world_size = nproc * nodes.num_machines
+    checks(config, "flax", world_size, workdir, device=platform())
+    if nodes.multi_node:
+        join(f"{nodes.main_process_ip}:{nodes.main_process_port}", nodes.num_machines, nodes.machine_rank)
+    os.environ.update(RANK=str(nodes.machine_rank), WORLD_SIZE=str(world_size))
+    return worker.main(spec)

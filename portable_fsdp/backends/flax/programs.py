@@ -1,0 +1,103 @@
+"""The jitted programs a run executes: the training update, the eval loss sum, the predictions.
+
+Each is compiled once per batch shape with explicit shardings: parameters and optimizer state as
+the plan places them (sharding.py), batches split by rows over the data axes and along the sequence
+over cp or sp; activations placed by the mesh's Layout. Parameters are cast to the compute dtype inside the
+program (mixed precision: float32 masters, gradients flow back to them through the cast).
+
+A MoE model whose config sets output_router_logits trains on Σ token losses / Σ label tokens + coef × the
+router's load-balancing loss, as transformers' MixtralForCausalLM adds it. That loss is computed per
+micro-batch over all of its rows (every device's — the global batch, never one device's share) and averaged over
+the micro-batches of a step, so accumulating gradients over k micro-batches of n rows trains as one batch of
+k·n rows would with its load-balancing loss taken per micro-batch. eval_loss stays Σ token losses / Σ tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from portable_fsdp import placement
+from portable_fsdp.backends.flax import optimizer as optimizer_lib, sharding
+from portable_fsdp.backends.flax.loss import token_loss_sum
+from portable_fsdp.backends.flax.model import ModelDef
+from portable_fsdp.train.loss_chunks import Chunking
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    # (params, opt_state, input_ids, labels, positions [A, b, s], label_tokens, lr) -> (params, opt_state, metrics:
+    # loss_sum, router_loss — coef × the mean load-balancing loss, 0 without one —, grad_norm, finite)
+    train: Callable
+    eval_loss_sum: Callable  # (params, input_ids, labels, positions [b, s]) -> Σ token losses
+    predict: Callable  # (params, input_ids, positions, return_logits) -> {"predictions"[, "logits"]}
+
+
+def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
+          opt_sharding, compute_dtype, loss_chunk_tokens: int = 0) -> Programs:
+    """`loss_chunk_tokens` (train.loss_chunk_tokens): the training and eval losses project and reduce that many
+    tokens per device at a time (loss.py); 0 computes the whole batch's logits."""
+    layout = sharding.Layout(mesh)
+    coef = model_def.arch.router_aux_loss_coef
+    chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, placement.SEQUENCE_AXES),
+                        sharding.size_of(mesh, placement.DATA_AXES))
+
+    def cast(params):
+        return {name: p.astype(compute_dtype) for name, p in params.items()}
+
+    def logits_of(params, input_ids, positions):
+        return model_def.forward(cast(params), input_ids, positions, layout)[0]
+
+    def losses(params, input_ids, labels, positions):
+        """(Σ token losses, the router's load-balancing loss)."""
+        if chunking.tokens:
+            return model_def.loss_sum(cast(params), input_ids, positions, labels, chunking, layout)
+        logits, balance = model_def.forward(cast(params), input_ids, positions, layout)
+        return token_loss_sum(logits, labels), balance
+
+    def loss_sum(params, input_ids, labels, positions):
+        return losses(params, input_ids, labels, positions)[0]
+
+    def train(params, opt_state, input_ids, labels, positions, label_tokens, lr):
+        micro_batches = input_ids.shape[0]
+
+        def scaled_loss(p, micro):
+            ids, labels, positions = micro
+            total, balance = losses(p, ids, labels, positions)
+            router = coef * balance / micro_batches
+            return total / label_tokens + router, (total, router)  # torch scales each micro-batch's backward so
+
+        def accumulate(grad_sum, micro):
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(params, micro)
+            grads = jax.lax.with_sharding_constraint(grads, param_sharding)  # reduce-scattered, as FSDP
+            return jax.tree.map(jnp.add, grad_sum, grads), totals
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (totals, routers) = jax.lax.scan(accumulate, zeros, (input_ids, labels, positions))
+        loss_total, router_loss, grad_norm = totals.sum(), routers.sum(), optax.tree.norm(grads)
+        updates, new_opt_state = optimizer.update(grads, optimizer_lib.with_learning_rate(opt_state, lr), params)
+        # A NaN/inf loss or gradient leaves parameters and AdamW's state as they were (torch skips
+        # optimizer.step); the host then stops or skips the step as train.nonfinite says.
+        finite = jnp.isfinite(loss_total) & jnp.isfinite(router_loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (optax.apply_updates(params, updates), new_opt_state), (params, opt_state))
+        return params, opt_state, {"loss_sum": loss_total, "router_loss": router_loss, "grad_norm": grad_norm,
+                                   "finite": finite}
+
+    def predict(params, input_ids, positions, return_logits):
+        logits = logits_of(params, input_ids, positions).astype(jnp.float32)
+        out = {"predictions": jnp.argmax(logits, axis=-1)}
+        if return_logits:
+            out["logits"] = logits
+        return out
+
+    one = sharding.replicated(mesh)
+    stacked, flat = sharding.batch_sharding(mesh, leading_axes=1), sharding.batch_sharding(mesh)
+    return Programs(
+        train=jax.jit(train, in_shardings=(param_sharding, opt_sharding, stacked, stacked, stacked, one, one),
+                      out_shardings=(param_sharding, opt_sharding, one), donate_argnums=(0, 1)),
+        eval_loss_sum=jax.jit(loss_sum, in_shardings=(param_sharding, flat, flat, flat), out_shardings=one),
+        predict=jax.jit(predict, static_argnums=3))

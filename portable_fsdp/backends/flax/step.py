@@ -1,0 +1,167 @@
+"""The functional surface of the Flax lowering that the neutral loop drives (protocol: portable_fsdp/backend.py).
+
+One process drives every device of the mesh, so it reads the whole global batch (placement: dp_size 1)
+and the jitted programs split it over the devices: rows over dp_replicate × fsdp, the sequence over cp or sp,
+parameters as sharding.py places them (tp and ep included). The initial
+weights are the torch backends' (the same seeded transformers model, converted), placed one parameter at a time
+from the model built on the meta device (initial.py). Losses are
+Σ token losses / Σ label tokens of the whole accumulated batch, counted on the host before any split.
+
+On several machines (one JAX process each, `jax.process_count() > 1`) the mesh spans every machine's
+devices and each process reads its own rows of the global batch (processes.py): label tokens are summed
+over processes, and eval and predict results are global on every process.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from portable_fsdp.backends.flax import (architecture, torch_weights, devices as devices_lib, initial, model as model_lib,
+                                         optimizer as optimizer_lib, processes, programs as programs_lib,
+                                         resources, sharding)
+from portable_fsdp.data.batch import Batch
+from portable_fsdp.errors import require_finite
+from portable_fsdp.backend import ModelInfo, Placement
+from portable_fsdp.mesh_fit import tensor_parallel_plan
+from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.train.schedule import for_config as schedule_for
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a step needs besides the parameters and optimizer state."""
+
+    config: object
+    plan: ShardingPlan
+    info: ModelInfo
+    hf_config: object  # the transformers config, written into FULL checkpoints
+    torch_names: tuple  # the torch state-dict order, for checkpoints in torch's layout
+    model_def: model_lib.ModelDef
+    mesh: object
+    param_sharding: dict
+    opt_sharding: object
+    programs: programs_lib.Programs
+    schedule: object
+    baseline_mb: tuple = ()  # per device of the mesh: its memory before the model existed (resources.py)
+
+
+@dataclasses.dataclass
+class TrainState:
+    params: dict  # flax name -> jax.Array, sharded as the plan says
+    opt_state: object
+    step: int
+    ctx: Context
+
+
+def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+    devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
+    if plan.mixed_precision.param_dtype == "float32":
+        # float32 means float32: a GPU would otherwise multiply in TF32, a TPU in one bfloat16 pass
+        jax.config.update("jax_default_matmul_precision", "highest")
+    mesh = sharding.build_mesh(plan.mesh, devices)
+    baseline_mb = tuple(resources.device_memory_mb(device)["mem_mb"] for device in resources.reported_devices(mesh))
+    remat = plan.activation_checkpointing or config.train.gradient_checkpointing
+    weights = initial.prepare(config, remat)
+    model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
+    info = architecture.describe_model(config)
+    param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
+                                              torch_weights.torch_name)
+    params = weights.place(param_sharding)
+    del weights  # a model built whole (initial.built_whole) leaves the host here
+    optimizer = optimizer_lib.build(config.train)
+    opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+    compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
+    programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype,
+                                  config.train.loss_chunk_tokens)
+    ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
+                  schedule_for(config.train), baseline_mb)
+    return TrainState(params, opt_state, 0, ctx)
+
+
+def _positions(batch: Batch) -> np.ndarray:
+    if batch.position_ids is not None:
+        return batch.position_ids
+    return np.broadcast_to(np.arange(batch.input_ids.shape[1]), batch.input_ids.shape)
+
+
+def _on_devices(arrays: list, mesh, leading_axes: int) -> list:
+    target = sharding.batch_sharding(mesh, leading_axes)
+    put = processes.to_global if processes.several() else jax.device_put  # several: this process's rows
+    return [put(np.ascontiguousarray(a, dtype=np.int32), target) for a in arrays]
+
+
+def train_step(state: TrainState, micro_batches: list) -> tuple:
+    ctx = state.ctx
+    tokens = sum(b.num_label_tokens for b in micro_batches)
+    if processes.several():
+        tokens = processes.total(tokens)
+    stacked = [np.stack(parts) for parts in zip(*[(b.input_ids, b.labels, _positions(b)) for b in micro_batches])]
+    lr = ctx.schedule(state.step)
+    params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
+                                                jnp.float32(max(tokens, 1)), jnp.float32(lr))
+    loss = float(out["loss_sum"]) / max(tokens, 1) + float(out["router_loss"])  # MoE: + its load-balancing loss
+    grad_norm, finite = float(out["grad_norm"]), bool(out["finite"])
+    require_finite(state.step + 1, loss, grad_norm, ctx.config.train.nonfinite)  # the program already skipped it
+    metrics = {"loss": loss, "tokens": int(tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
+    return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def count_label_tokens(state: TrainState, batch: Batch) -> int:
+    """num_items_in_batch: this process reads the whole global batch, before any sharding (several processes:
+    the sum of their rows')."""
+    return processes.total(batch.num_label_tokens) if processes.several() else batch.num_label_tokens
+
+
+def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
+    """{"loss_sum": Σ token losses of the global batch}; the eval layer divides by Σ num_items_in_batch."""
+    arrays = _on_devices([batch.input_ids, batch.labels, _positions(batch)], state.ctx.mesh, 0)
+    return {"loss_sum": float(state.ctx.programs.eval_loss_sum(state.params, *arrays))}
+
+
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
+    """Argmax predictions of the global batch (and its labels), full length, in order, as numpy."""
+    input_ids, positions = _on_devices([batch.input_ids, _positions(batch)], state.ctx.mesh, 0)
+    out = state.ctx.programs.predict(state.params, input_ids, positions, return_logits)
+    several = processes.several()
+    out = processes.gather(out) if several else {k: np.asarray(v) for k, v in out.items()}
+    out["predictions"] = out["predictions"].astype(np.int64)
+    if batch.labels is not None:
+        out["labels"] = processes.gather(batch.labels) if several else batch.labels
+    return out
+
+
+def placement(state: TrainState) -> Placement:
+    world_size = state.ctx.mesh.devices.size
+    if processes.several():
+        dp_rank, dp_size = processes.data_slice(state.ctx.mesh)
+        return Placement(rank=jax.process_index(), world_size=world_size, dp_rank=dp_rank, dp_size=dp_size,
+                         process_count=jax.process_count())
+    return Placement(rank=0, world_size=world_size, dp_rank=0, dp_size=1, process_count=1)
+
+
+def barrier(state: TrainState, timeout_s: float | None = None) -> None:
+    """One process: nothing to wait for (device work is awaited where results are read). Several: a device
+    all-reduce, which train.collective_timeout_s does not bound (`timeout_s` has nothing to lengthen)."""
+    if processes.several():
+        processes.barrier()
+
+
+def any_rank(state: TrainState, flag: bool) -> bool:
+    """One process sees every signal itself: nothing to agree on (several: whether any process saw it)."""
+    return processes.anyone(flag) if processes.several() else flag
+
+
+def model_info(state: TrainState) -> ModelInfo:
+    return state.ctx.info
+
+
+def finalize(state: TrainState | None = None) -> None:
+    """Nothing to tear down on one process: device buffers go with it. Several leave jax.distributed together."""
+    if processes.several():
+        jax.distributed.shutdown()

@@ -1,0 +1,150 @@
+"""The plan applied to a torch model: `parallelize` calls one `apply_*` per technique, in a fixed order."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from portable_fsdp.backends.torch.compile import apply_compile
+from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
+from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
+from portable_fsdp.backends.torch.expert_parallel import apply_expert_parallel, shard_experts
+from portable_fsdp.backends.torch.float8 import apply_float8
+from portable_fsdp.backends.torch.mesh import Meshes
+from portable_fsdp.backends.torch.sequence_parallel import SPGroup, apply_sequence_parallel
+from portable_fsdp.backends.torch.tensor_parallel import apply_tensor_parallel
+from portable_fsdp.plan import ShardingPlan, WrapPolicy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGroup | None, sp: SPGroup | None,
+                layer_classes: tuple, device_type: str, tp_plan: dict) -> bool:
+    """Lower `plan` onto `model` in place, in this order, as torchtitan does:
+
+    0. float8 (plan.float8): the chosen Linear layers become torchao's Float8Linear (float8 products);
+    1. tensor parallelism (meshes.tp): the modules `tp_plan` names split over the tp group;
+    2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group, tokens sent to them;
+    3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
+       sequence shards;
+    4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
+    5. torch.compile (plan.compile): each layer (its wrapper, when checkpointed) compiled in place;
+    6. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
+       `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp) — unless one rank holds
+       everything (`shards`): a world of one rank trains the plain module, moved to the device.
+
+    Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
+    then runs under torch's loss_parallel."""
+    logits_sharded = False
+    if plan.float8:
+        apply_float8(model)
+    if meshes.tp is not None:
+        logits_sharded = apply_tensor_parallel(model, meshes.tp, tp_plan, strict=bool(plan.tp_plan))
+    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else []
+    if cp is not None:
+        apply_context_parallel(model, cp)
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
+    if plan.activation_checkpointing:
+        apply_activation_checkpointing(model, layer_classes)
+    if plan.compile:
+        apply_compile([m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)])
+    if experts:  # sharded over the ranks that hold the same experts, before the layers holding them
+        shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
+                      host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")
+    if shards(plan, meshes, device_type):
+        apply_fsdp(model, plan, meshes, layer_classes, device_type)
+    else:
+        model.to(device_type)
+    return logits_sharded
+
+
+def shards(plan: ShardingPlan, meshes: Meshes, device_type: str) -> bool:
+    """Whether FSDP2 wraps the model: on more than one rank, or on one GPU with CPU offload (FSDP2's offload
+    policy keeps the state in host memory and brings each unit's parameters to the GPU when it runs). A world
+    of one rank otherwise trains the plain module — plain tensors, no hooks, no all-gathers or reduce-scatters;
+    its mixed precision is autocast (portable_fsdp/backends/torch/step.py)."""
+    return meshes.world.size() > 1 or (plan.cpu_offload and device_type != "cpu")
+
+
+def _class_name(module: nn.Module) -> str:
+    inner = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+    return type(inner).__name__
+
+
+def apply_activation_checkpointing(model: nn.Module, layer_classes: tuple) -> None:
+    """Wrap every transformer layer so its activations are recomputed in backward."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child).__name__ in layer_classes:
+                parent.register_module(name, checkpoint_wrapper(child))
+
+
+def fsdp_kwargs(plan: ShardingPlan, mesh, device_type: str) -> dict:
+    mp = plan.mixed_precision
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if plan.cpu_offload else OffloadPolicy()
+    return dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, offload_policy=offload,
+                mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[mp.param_dtype], reduce_dtype=DTYPES[mp.reduce_dtype]))
+
+
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_classes: tuple, device_type: str) -> None:
+    kwargs = fsdp_kwargs(plan, meshes.dp, device_type)
+    if plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP:
+        units = [m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)]
+    elif plan.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP:
+        units = _size_based_units(model, plan.min_num_params)
+    else:  # NO_WRAP: the root alone (warned about at start-up, portable_fsdp/capabilities.py)
+        units = []
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None if plan.reshard_after_forward else False})
+    sum_gradients(model)
+    if device_type == "cpu" and meshes.shard.size() > 1 and plan.cpu_collectives == "auto":
+        use_cpu_collectives([*units, model], meshes.shard.get_group())
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Every FSDP unit of `model` sums gradients over its data-parallel ranks instead of averaging them: the loss
+    is scaled by 1 / (label tokens of the global batch) before backward, so a sum is the global mean. One rule
+    for every unit, whatever mesh it is sharded over (HSDP's replicas included, expert units on a smaller mesh):
+    nothing is divided twice. Sums only (no PREMUL_SUM, no AVG), which gloo has."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:
+    """A layer inside a CheckpointWrapper is sharded through its wrapper (torchtitan's order)."""
+    return any(isinstance(m, CheckpointWrapper) and m._checkpoint_wrapped_module is module for m in model.modules())
+
+
+def _size_based_units(model: nn.Module, min_num_params: int) -> list:
+    """Post-order, as torch's size_based_auto_wrap_policy: a module becomes a unit when the parameters it
+    holds outside units already chosen below it reach `min_num_params`. Never the root, never a layer
+    inside a CheckpointWrapper (the wrapper is the unit), never a container without a forward
+    (ModuleList: fully_shard hooks forward), never a module holding a tied parameter (both users of a
+    tied weight must stay in one unit: the root)."""
+    owners: dict = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    tied = {pid for pid, mods in owners.items() if len(mods) > 1}
+    units = []
+
+    def visit(module: nn.Module, wrapped_by_checkpoint: bool) -> int:
+        remaining = sum(visit(child, isinstance(module, CheckpointWrapper)) for child in module.children())
+        own = list(module.parameters(recurse=False))
+        remaining += sum(p.numel() for p in own)
+        eligible = (module is not model and not wrapped_by_checkpoint and remaining >= min_num_params
+                    and type(module).forward is not nn.Module.forward
+                    and not any(id(p) in tied for p in module.parameters()))
+        if eligible:
+            units.append(module)
+            return 0
+        return remaining
+
+    visit(model, False)
+    return units

@@ -1,0 +1,2 @@
+"""Starting a run: the checks before any worker starts and the hand-over to the backend (launcher), what a
+worker process runs (worker), the workdir's lock (workdir_lock), and signals during training (interrupts)."""

@@ -1,0 +1,107 @@
+"""Start a run: validate everything that can be checked before a worker starts (so a bad config costs seconds
+and prints one line), hold the workdir, and hand the workers' start to the backend (`Backend.start_workers`: torch's
+elastic launcher for cpu/cuda, one SPMD process or torch_xla's launcher for xla, one JAX process for flax)."""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import socket
+import warnings
+
+from portable_fsdp import backends
+
+from portable_fsdp.checkpoint import layout as checkpointing
+
+from portable_fsdp.launch import workdir_lock
+from portable_fsdp.config.accelerate import LaunchSettings
+from portable_fsdp.data.loader import check_data
+from portable_fsdp.errors import UserError
+from portable_fsdp.config.validate import check_backend, resolve_plan
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None,
+              claim: workdir_lock.Claim | None = None):
+    """Every check that can be made without starting a worker. `device`: the device type the run uses, when
+    it is not the backend's name (xla: the PJRT device; flax: the JAX platform). `claim`: the workdir's lock,
+    taken before anything is written there when this process owns the run."""
+    plan = resolve_plan(config, world_size)
+    backend = backends.load(backend_name)
+    info = backend.describe_model(config)  # the model's family and own settings: capability rules read them
+    check_backend(config, plan, backend_name, device or backend_name, world_size, info)
+    plan.wrap_classes(info)
+    for message in plan.wrap_warnings(info):
+        warnings.warn(message, stacklevel=2)
+    if config.train.check_fit:  # before anything is written: a run that will not fit is one line
+        from portable_fsdp.estimate import check_fit
+
+        check_fit(config, backend_name, world_size, device or backend_name,
+                  int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_data(config, info.vocab_size)  # and tokenise into the token cache: the workers only map it
+    prepare_workdir(workdir, config, backend_name, claim)
+    return plan
+
+
+def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: workdir_lock.Claim | None = None) -> None:
+    resume = config.train.resume
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if claim is not None:  # one run per workdir: a live one refuses this start here
+            claim.take(workdir)
+        probe = workdir / f".write-test-{socket.gethostname()}-{os.getpid()}"  # machines may share it
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError("--workdir", f"{workdir} is not writable ({err.strerror}); choose another directory") from None
+    if not resume and (checkpointing.root(workdir) / "latest").exists():
+        raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
+                                      "continue from them, or choose a new --workdir"))
+    if resume and checkpointing.latest(workdir):
+        # sizes only: the workers checksum the files, each its share
+        checkpointing.check_compatible(checkpointing.verify_sizes(checkpointing.latest(workdir)), config, backend_name)
+
+
+def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
+          nodes: LaunchSettings | None = None, job: str = "train") -> dict | None:
+    """Validate, start the workers and train. `nproc`: this machine's workers; `nodes` (an Accelerate YAML's
+    launch keys): the machines they train with and where they meet, one machine when None; `job`: what the
+    workers run (worker.JOBS: "train", or "probe" — portable_fsdp.selftest's device measurements). Returns the run's
+    summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
+    machines; None under torch_xla's own launcher, FSDP v1). A run that fails
+    prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
+    130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError.
+    The process that owns the run holds WORKDIR/.lock until it returns (portable_fsdp.launch.workdir_lock)."""
+    nodes = nodes or LaunchSettings()
+    with workdir_lock.Claim(lambda: owns_workdir(nodes, backend_name)) as claim:
+        claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
+        backend = backends.load(backend_name)
+        backend.prepare_config(config)  # before the workers get the config
+        spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job}
+        return backend.start_workers(config, spec, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+
+
+def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool | None:
+    """Whether this process holds the run's workdir (the backend's answer: global rank 0 under torchrun, machine
+    0's launcher, a TPU slice's worker 0); None while the backend cannot tell yet. The workers our launcher starts
+    never take it: their launcher holds it for them."""
+    return backends.load(backend_name).owns_workdir(nodes)
+
+
+def rendezvous_port(main_process_port: int | None = None) -> int:
+    """The Accelerate YAML's main_process_port, else the user's MASTER_PORT when set (checked to be free, so a
+    clash is one clear line, not a hang), else any free port."""
+    wanted = main_process_port or os.environ.get("MASTER_PORT")
+    name = "main_process_port" if main_process_port else "MASTER_PORT"
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(wanted) if wanted else 0))
+        except ValueError:
+            raise UserError(name, f"{wanted!r} is not a port number; unset it or give a free port") from None
+        except OSError:
+            raise UserError(name, f"port {wanted} is already in use; unset {name} to take a free port, or give "
+                            "another") from None
+        return s.getsockname()[1]
