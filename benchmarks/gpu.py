@@ -14,7 +14,7 @@ report the one-line refusal --backend cpu gives):  python -m benchmarks.gpu --dr
    plan.reduce_dtype bfloat16 (however the product lowers them on one rank), a few steps, for each model (the
    ~1B first) and each setting — eager, plan.compile, plan.compile + plan.float8 — then Hugging Face Trainer (benchmarks/hf_trainer.py: FSDP2 on one rank, `bf16`,
    fused AdamW, the same model, data and batch). Tokens/s and MFU of the median step after the first (the first
-   compiles), MFU as the product counts it (portable_fsdp.train.metrics.flops_per_token against the datasheet's dense
+   compiles), MFU as the product counts it (portable_fsdp.training.metrics.flops_per_token against the datasheet's dense
    bf16 peak, portable_fsdp.machine.hardware; Trainer's rows against the same peak; float8 rows too, as torchtitan
    counts them), peak torch.cuda.max_memory_allocated.
 2. Context parallelism needs cp_size >= 2 ranks, and NCCL will not put two ranks on one GPU. With >= 2 GPUs:
@@ -148,7 +148,7 @@ def with_mfu(rows: list, size: dict) -> None:
     """Trainer's MFU against the peak our rows of the same model used (the run's own rule: the datasheet on a
     known GPU, a measured matmul on the CPU): peak = FLOPs per token x tokens/s / MFU of one of our rows."""
     from portable_fsdp.backends.hf_torch.model import describe_model
-    from portable_fsdp.train.metrics import flops_per_token
+    from portable_fsdp.training.metrics import flops_per_token
 
     info = describe_model(config_from_flags(model_flags(size)))
     per_token = flops_per_token(info, size["seq_len"])

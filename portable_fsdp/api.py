@@ -27,7 +27,7 @@ from portable_fsdp.checkpoint import layout as checkpointing, session as checkpo
 from portable_fsdp.config.schema import apply_override, command_line_text, load_recipe
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
-from portable_fsdp.train.evaluation import evaluate
+from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.config.validate import check_backend, resolve_plan
 

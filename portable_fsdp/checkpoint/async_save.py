@@ -15,7 +15,7 @@ import threading
 
 from portable_fsdp.checkpoint import layout as checkpointing
 
-from portable_fsdp.train import faults
+from portable_fsdp.training import faults
 
 _in_flight: list = []  # (thread, errors) of the save being finished in the background
 

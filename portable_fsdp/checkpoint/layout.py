@@ -38,7 +38,7 @@ from portable_fsdp import backends
 
 from portable_fsdp.checkpoint import checksums, safetensors_shards
 
-from portable_fsdp.train import faults
+from portable_fsdp.training import faults
 from portable_fsdp.errors import UserError
 
 MANIFEST = "manifest.json"

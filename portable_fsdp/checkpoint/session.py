@@ -26,7 +26,7 @@ import threading
 
 from portable_fsdp.checkpoint import async_save, layout as checkpointing
 
-from portable_fsdp.train import faults
+from portable_fsdp.training import faults
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.batch import DATA_STATE
 from portable_fsdp.data.tokenizers import save_for_generation

@@ -8,13 +8,13 @@ import warnings
 
 from portable_fsdp import capabilities, plan as plan_lib
 
-from portable_fsdp.train import trackers
+from portable_fsdp.training import trackers
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config.schema import flat_fields
 from portable_fsdp.errors import UserError
-from portable_fsdp.train.evaluation import resolve_metrics
+from portable_fsdp.training.evaluation import resolve_metrics
 from portable_fsdp.mesh_fit import check_mesh_fits
-from portable_fsdp.train.sequence_split import check_divisible
+from portable_fsdp.training.sequence_split import check_divisible
 
 
 def plan_from_config(config) -> plan_lib.ShardingPlan:

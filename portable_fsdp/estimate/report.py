@@ -6,7 +6,7 @@ import json
 from portable_fsdp.machine import hardware
 from portable_fsdp.estimate.process import Report
 from portable_fsdp.estimate.target import Target
-from portable_fsdp.train.metrics import flops_per_token
+from portable_fsdp.training.metrics import flops_per_token
 from portable_fsdp.config.validate import resolve_plan
 
 ROWS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
@@ -106,7 +106,7 @@ def step_line(report: Report, mfu: float) -> str:
                                                   else hardware.datasheet_flops(target.label, dtype))
     active = "" if report.model.n_active_params + report.model.n_embedding_params == report.model.n_params else \
         f", N = {report.model.n_active_params:,.0f} active parameters"
-    text = f"step: {flops:.3g} FLOPs ({tokens:,} tokens; 6N + attention, portable_fsdp.train.metrics{active})"
+    text = f"step: {flops:.3g} FLOPs ({tokens:,} tokens; 6N + attention, portable_fsdp.training.metrics{active})"
     if not rate:
         return text + f"; no peak FLOP/s known for {target.label} in {dtype}: set train.peak_flops_per_device"
     seconds = flops / (target.nproc * rate * mfu)

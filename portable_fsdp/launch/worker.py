@@ -8,7 +8,7 @@ from portable_fsdp import backends
 
 from portable_fsdp.config import schema as config_lib
 
-from portable_fsdp.train import loop
+from portable_fsdp.training import loop
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.config.validate import resolve_plan
 

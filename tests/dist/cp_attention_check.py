@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from portable_fsdp.backends.torch.context_parallel import attention
 from portable_fsdp.backends.torch.context_parallel.attention import ShardLayout, allgather_attention, ring_attention
-from portable_fsdp.train.sequence_split import shard_indices
+from portable_fsdp.training.sequence_split import shard_indices
 
 
 DEFAULT_CHUNK = attention.CHUNK_ELEMENTS

@@ -25,7 +25,7 @@ from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.backends.hf_torch.experts import expert_modules
 from portable_fsdp.data.batch import EvalBatches
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.train.evaluation import evaluate
+from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import make_config
 

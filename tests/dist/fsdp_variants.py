@@ -19,7 +19,7 @@ from portable_fsdp import backends
 from portable_fsdp.backends.torch import step as torch_step
 from portable_fsdp.data.batch import EvalBatches
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.train.evaluation import evaluate
+from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import VARIANTS, make_config
 from tests.parity.reference import reference_gradients

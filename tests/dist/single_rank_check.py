@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from portable_fsdp import backends
 from portable_fsdp.data.batch import EvalBatches
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.train.evaluation import evaluate
+from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.plan import StateDictType
 from portable_fsdp.config.validate import resolve_plan
 from tests.dist.fsdp_variants import EVAL_SEQUENCES, gradient_deviation, sharded_round_trip

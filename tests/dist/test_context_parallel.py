@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portable_fsdp.train.sequence_split import shard_indices
+from portable_fsdp.training.sequence_split import shard_indices
 from tests.dist import eval_reference
 from tests.dist.eval_reference import EVAL_RTOL, check_eval_loss, check_predictions
 from tests.dist.launch import torchrun

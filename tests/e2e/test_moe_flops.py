@@ -3,7 +3,7 @@ other weight, never the input embedding table. Each count is checked against a h
 config's sizes (described on the meta device: no weight is allocated), at smoke size and at Qwen3-30B-A3B's."""
 import pytest
 
-from portable_fsdp.train import metrics
+from portable_fsdp.training import metrics
 from portable_fsdp.backends.hf_torch.model import describe_model
 from portable_fsdp.config.schema import load_recipe
 from tests.conftest import ROOT

@@ -9,7 +9,7 @@ import pytest
 from portable_fsdp.backends.flax import model as model_lib
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum, token_loss_sum
 from portable_fsdp.data.batch import IGNORE_INDEX
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 from tests.flax.conftest import needs_devices
 
 FP32_RTOL = 1e-6

@@ -17,7 +17,7 @@ def test_eval_loss_and_predictions_do_not_depend_on_the_sequence_split(axis):
     from portable_fsdp.backends.flax import sharding, step
     from portable_fsdp.data.batch import EvalBatches
     from portable_fsdp.data.loader import build_token_data
-    from portable_fsdp.train.evaluation import evaluate, token_accuracy
+    from portable_fsdp.training.evaluation import evaluate, token_accuracy
 
     config = make_config()
     data = build_token_data(config.data, config.model.vocab_size, 1)

@@ -10,7 +10,7 @@ from tests.parity.reference import max_relative_difference
 def run_in_process(workdir, overrides: dict, world_size: int = 2) -> list:
     """The loop as the CLI runs it, in this process; returns the per-step losses it logged."""
     from portable_fsdp import backends
-    from portable_fsdp.train import loop
+    from portable_fsdp.training import loop
     from portable_fsdp.config.validate import resolve_plan
 
     config = make_config({"train.log_every": 1, **overrides})

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from portable_fsdp.backends.hf_torch.model import create_model
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.data.loader import TrainBatches, build_token_data
-from portable_fsdp.train.schedule import for_config
+from portable_fsdp.training.schedule import for_config
 
 
 def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> list:

@@ -14,7 +14,7 @@ from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, token_loss_sum
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 
 FP32_RTOL = 1e-6
 GRAD_RTOL = 1e-5  # measured: 3e-7 (the weight gradient summed over chunks in another order)

@@ -8,7 +8,7 @@ from portable_fsdp.checkpoint import layout as checkpointing
 
 from portable_fsdp.machine import hardware
 
-from portable_fsdp.train import metrics
+from portable_fsdp.training import metrics
 from portable_fsdp.backend import ModelInfo
 
 T = 1e12

@@ -9,7 +9,7 @@ import pytest
 
 from portable_fsdp.checkpoint import layout as checkpointing
 
-from portable_fsdp.train import loop
+from portable_fsdp.training import loop
 from portable_fsdp.config.schema import apply_override, load_recipe
 from portable_fsdp.backend import MEMORY_KEYS, ModelInfo, Placement
 from portable_fsdp.config.validate import resolve_plan

@@ -40,7 +40,7 @@ def imported_frameworks(modules):
 
 def test_the_discovery_sees_the_whole_core():
     modules = core_modules()
-    assert {"portable_fsdp", "portable_fsdp.train.loop", "portable_fsdp.launch.worker", "portable_fsdp.launch.launcher",
+    assert {"portable_fsdp", "portable_fsdp.training.loop", "portable_fsdp.launch.worker", "portable_fsdp.launch.launcher",
             "portable_fsdp.data.loader", "portable_fsdp.api"} <= set(modules)
     assert not any(m.startswith(("portable_fsdp.backends", "portable_fsdp.configs")) for m in modules)
 

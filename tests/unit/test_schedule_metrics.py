@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from portable_fsdp.train import evaluation, metrics, schedule
+from portable_fsdp.training import evaluation, metrics, schedule
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config.schema import base_config
 

@@ -6,7 +6,7 @@ import pytest
 
 from portable_fsdp import run
 
-from portable_fsdp.train import trackers
+from portable_fsdp.training import trackers
 from portable_fsdp.config.schema import apply_override, load_recipe
 from tests.conftest import TEST_RECIPE
 from tests.tracker_files import scalar_steps, tensorboard_events, wandb_config, wandb_history, wandb_records

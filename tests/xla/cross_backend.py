@@ -47,7 +47,7 @@ def main() -> None:
     from portable_fsdp import backends
     from portable_fsdp.data.batch import EvalBatches
     from portable_fsdp.data.loader import TrainBatches, build_token_data
-    from portable_fsdp.train.evaluation import evaluate
+    from portable_fsdp.training.evaluation import evaluate
     from portable_fsdp.config.validate import resolve_plan
     from tests.parity.matrix import make_config
 

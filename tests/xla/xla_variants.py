@@ -32,7 +32,7 @@ import re  # noqa: E402
 from portable_fsdp import backends  # noqa: E402
 from portable_fsdp.data.batch import EvalBatches  # noqa: E402
 from portable_fsdp.data.loader import TrainBatches, build_token_data  # noqa: E402
-from portable_fsdp.train.evaluation import evaluate  # noqa: E402
+from portable_fsdp.training.evaluation import evaluate  # noqa: E402
 from portable_fsdp.plan import StateDictType  # noqa: E402
 from portable_fsdp.config.validate import resolve_plan  # noqa: E402
 from tests.parity.matrix import VARIANTS, make_config  # noqa: E402

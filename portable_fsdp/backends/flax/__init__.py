@@ -1,6 +1,6 @@
 """The Flax/JAX lowering (`--backend flax`): the same Llama in flax.nnx, the plan as JAX shardings.
 
-The functional surface the neutral loop drives (see portable_fsdp/train/loop.py). Nothing here imports
+The functional surface the neutral loop drives (see portable_fsdp/training/loop.py). Nothing here imports
 jax until one of these functions is first used: the launcher loads this package, then sets up the
 host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
 

@@ -2,7 +2,7 @@
 path, small batches), or from the final hidden states and the output projection a chunk of tokens at a time
 (`chunked_token_loss_sum`: training and eval), so a step never holds a whole micro-batch's logits.
 
-Chunks are cut as portable_fsdp.train.loss_chunks says (every row and sequence part, a run of positions: under SPMD
+Chunks are cut as portable_fsdp.training.loss_chunks says (every row and sequence part, a run of positions: under SPMD
 each device computes its share of every chunk) and a `lax.scan` runs over them; each chunk's projection and loss
 are rematerialised (`jax.checkpoint`), so backward recomputes one chunk's logits at a time instead of keeping
 them all.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from portable_fsdp.data.batch import IGNORE_INDEX
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 
 
 def token_loss_sum(logits, labels):

@@ -26,7 +26,7 @@ from flax import nnx
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum
 from portable_fsdp.backends.flax.sharding import Layout
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 
 NO_LAYOUT = Layout()
 

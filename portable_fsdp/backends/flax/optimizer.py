@@ -5,7 +5,7 @@
 - AdamW: optax.adamw is torch's update — bias-corrected moments, eps added outside the square root,
   decay decoupled and scaled by the learning rate — with decay masked to >= 2-D parameters as in
   portable_fsdp/backends/hf_torch/optimizer.py build_adamw.
-- The learning rate is a hyperparameter set before every step from portable_fsdp.train.schedule, so both
+- The learning rate is a hyperparameter set before every step from portable_fsdp.training.schedule, so both
   backends read the same number.
 Gradient accumulation is not optax.MultiSteps: that averages per micro-batch; step.py sums token
 losses over the whole accumulated batch and divides once by its label-token count.

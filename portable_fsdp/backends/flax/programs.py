@@ -24,7 +24,7 @@ from portable_fsdp import placement
 from portable_fsdp.backends.flax import optimizer as optimizer_lib, sharding
 from portable_fsdp.backends.flax.loss import token_loss_sum
 from portable_fsdp.backends.flax.model import ModelDef
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 
 
 @dataclasses.dataclass(frozen=True)

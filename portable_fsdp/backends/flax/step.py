@@ -27,7 +27,7 @@ from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan
-from portable_fsdp.train.schedule import for_config as schedule_for
+from portable_fsdp.training.schedule import for_config as schedule_for
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -14,7 +14,7 @@ Each chunk's logits are computed, reduced to losses, and their gradient (softmax
 into the gradients of the hidden states and of the weight (and bias), which backward only scales: the same
 three products as an unchunked forward and backward, no recomputation, and nothing for a compiler to fold
 back into one big tensor. Chunks run along the sequence, each covering every row and every sequence part
-(portable_fsdp/train/loss_chunks.py), so under SPMD (rows split over the data-parallel devices, positions over cp|sp)
+(portable_fsdp/training/loss_chunks.py), so under SPMD (rows split over the data-parallel devices, positions over cp|sp)
 every device computes its share of every chunk.
 
 A model whose forward changes the logits after the projection (soft-capping, scaling) is left unchunked when
@@ -35,7 +35,7 @@ from torch import nn
 
 from portable_fsdp.data.batch import IGNORE_INDEX
 from portable_fsdp.errors import UserError
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 
 # Config keys with which a transformers model changes its logits after lm_head (Gemma 2/3 soft-capping, Cohere's
 # logit_scale, Granite's logits_scaling, a vocabulary padded beyond the tokenizer's): such a model keeps its

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.train import faults
+from portable_fsdp.training import faults
 from portable_fsdp.backends.hf_torch import chunked_loss
 from portable_fsdp.data.batch import IGNORE_INDEX
 

@@ -5,7 +5,7 @@
 ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), float8, tensor / expert / context / sequence
 parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the chunked loss
 (`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
-through the step's own sharding and loss (`step.sharded_batch`, `step.loss_sum`). The tracker attributes every
+through the step's own sharding and loss (`step.sharded_batch`, `step.rank_loss_sum`). The tracker attributes every
 storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
 buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
 
@@ -43,9 +43,9 @@ from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config.schema import from_dict
 from portable_fsdp.data.batch import Batch
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
-from portable_fsdp.train.schedule import for_config as schedule_for
+from portable_fsdp.training.schedule import for_config as schedule_for
 from portable_fsdp.config.validate import resolve_plan
 
 # The trackers' categories (FSDPMemTracker's for an FSDP2 module, MemTracker's for the plain module one rank
@@ -269,7 +269,7 @@ def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker) 
         if isinstance(model, FSDPModule):  # reduce-scatter after the last only
             model.set_requires_gradient_sync(index == len(batches) - 1)
         with step_lib.sharded_batch(ctx, batch) as (input_ids, labels, positions), step_lib.loss_context(ctx):
-            loss = step_lib.loss_sum(ctx, model, input_ids, labels, positions, router)
+            loss = step_lib.rank_loss_sum(ctx, model, input_ids, labels, positions, router)
             (loss / tokens).backward()
     if ctx.meshes.tp is not None:
         all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), ctx.runtime.device)

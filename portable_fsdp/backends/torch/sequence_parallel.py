@@ -4,7 +4,7 @@ own attention (SDPA or eager) runs over the whole sequence on those heads, and a
 result back. Everything outside attention (projections, MLP, norms, the loss) sees only this rank's tokens.
 
 The attention is swapped through transformers' AttentionInterface, as context parallelism does; the batch is cut
-by the same machinery (portable_fsdp.train.sequence_split.shard_indices, contiguous slices). As the attention is not
+by the same machinery (portable_fsdp.training.sequence_split.shard_indices, contiguous slices). As the attention is not
 registered for transformers' mask builders, the model passes no mask: the one over the whole sequence is built
 here from global token indices — causal, packed documents kept apart (the batch's segment ids), the layer's
 sliding window — and none at all for plain causal SDPA, which then takes its is_causal kernels.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from portable_fsdp.backends.torch.batch_layout import BatchLayout
 from portable_fsdp.backends.torch.context_parallel import slice_batch
-from portable_fsdp.train.sequence_split import shard_indices
+from portable_fsdp.training.sequence_split import shard_indices
 
 ULYSSES_ATTENTION = "portable_fsdp_ulysses_{inner}"
 

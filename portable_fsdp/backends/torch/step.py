@@ -35,11 +35,11 @@ from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
 from portable_fsdp.data.batch import Batch
 from portable_fsdp.backend import ModelInfo, Placement
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.plan import ShardingPlan
-from portable_fsdp.train.schedule import for_config as schedule_for
-from portable_fsdp.train.sequence_split import gathered_order
+from portable_fsdp.training.schedule import for_config as schedule_for
+from portable_fsdp.training.sequence_split import gathered_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         # The backward runs inside: checkpointed layers re-run CP/SP attention on these shards.
         with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
-            yield loss_sum(ctx, model, input_ids, labels, positions, router)
+            yield rank_loss_sum(ctx, model, input_ids, labels, positions, router)
 
     loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
                                     sum_dtype=torch.float64)
@@ -208,7 +208,7 @@ def _sum_over_tokens(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
     return tensor.div_(tp_size)
 
 
-def loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
+def rank_loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
     """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
     replicated loss). The forward only: a backward runs outside `_mixed_precision`."""
     with _mixed_precision(ctx, model):
@@ -274,7 +274,7 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     ctx = state.ctx
     state.model.eval()
     with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
-        loss = loss_sum(ctx, state.model, input_ids, labels, positions).item()
+        loss = rank_loss_sum(ctx, state.model, input_ids, labels, positions).item()
     _reshard(state.model)
     return {"loss_sum": _all_reduce_sum([loss if ctx.counts_loss else 0.0], ctx.runtime.device)[0]}
 

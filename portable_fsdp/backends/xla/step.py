@@ -25,9 +25,9 @@ from portable_fsdp.backends.xla import resources, runtime as rt
 from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.batch import IGNORE_INDEX, Batch
 from portable_fsdp.backend import ModelInfo, Placement
-from portable_fsdp.train.loss_chunks import Chunking
+from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.plan import ShardingPlan
-from portable_fsdp.train.schedule import for_config as schedule_for
+from portable_fsdp.training.schedule import for_config as schedule_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The model's attention is swapped through transformers' AttentionInterface (no model code is patched).
 For each batch, `sequence_shard` cuts inputs, labels and position ids with the neutral split
-(portable_fsdp.train.sequence_split) and tells the attention where its tokens sit in the full sequence.
+(portable_fsdp.training.sequence_split) and tells the attention where its tokens sit in the full sequence.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from portable_fsdp.backends.torch.batch_layout import BatchLayout
 from portable_fsdp.backends.torch.context_parallel.attention import ShardLayout, allgather_attention, ring_attention
-from portable_fsdp.train.sequence_split import shard_indices
+from portable_fsdp.training.sequence_split import shard_indices
 
 PORTABLE_ATTENTION = "portable_fsdp_cp"
 TORCH_SDPA_ATTENTION = "portable_fsdp_torch_cp"

@@ -16,13 +16,13 @@ from portable_fsdp.checkpoint import async_save, layout as checkpointing, sessio
 
 from portable_fsdp.machine import hardware
 
-from portable_fsdp.train import faults
+from portable_fsdp.training import faults
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
-from portable_fsdp.train.evaluation import evaluate, resolve_metrics
+from portable_fsdp.training.evaluation import evaluate, resolve_metrics
 from portable_fsdp.launch.interrupts import InterruptFlag
-from portable_fsdp.train.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
-from portable_fsdp.train.trackers import open_trackers
+from portable_fsdp.training.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
+from portable_fsdp.training.trackers import open_trackers
 
 
 @dataclasses.dataclass

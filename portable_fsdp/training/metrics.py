@@ -18,7 +18,7 @@ def flops_per_token(model, seq_len: int) -> float:
 
 class MetricsLog:
     """One JSON object per line in <workdir>/metrics.jsonl, written by rank 0 only; `trackers` (rank 0's
-    portable_fsdp.train.trackers.Trackers, or None) receive the same records."""
+    portable_fsdp.training.trackers.Trackers, or None) receive the same records."""
 
     def __init__(self, workdir: pathlib.Path, enabled: bool, trackers=None):
         self.enabled = enabled
