@@ -129,7 +129,7 @@ def test_flax_compiled_estimate_shards_state_over_devices():
     # bfloat16 on an H100: the grouped GEMM the CUDA run takes, traced in its dtype
     ["--nproc", "2", "--backend", "cuda", "--device", "h100", "--config.plan.param_dtype=bfloat16"]])
 def test_a_mixture_of_experts_estimate_traces_its_grouped_experts(args):
-    proc = run_estimate("--config", f"{ROOT / 'configs' / 'qwen3_30b_a3b.py'}:smoke", *args)
+    proc = run_estimate("--config", f"{ROOT / 'portable_fsdp' / 'configs' / 'qwen3_30b_a3b.py'}:smoke", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the step's FLOPs count the 2 of 4 experts a token runs through (tests/e2e/test_moe_flops.py)
     assert "N = 74,624 active parameters" in proc.stdout

@@ -44,7 +44,7 @@ def test_qwen3_30b_a3b_is_counted_at_its_3b_active_parameters():
 
 def test_mixtral_counts_its_two_of_four_experts(tmp_path):
     directory = families.save_model("mixtral", tmp_path / "mixtral")
-    config = load_recipe(f"{ROOT / 'configs' / 'llama_tiny.py'}:test")
+    config = load_recipe(f"{ROOT / 'portable_fsdp' / 'configs' / 'llama_tiny.py'}:test")
     config.model.init_from = str(directory)
     info = describe_model(config)
     # hidden 64, 2 layers, 4 heads of 16 (2 kv heads), 4 experts of 160, 2 per token, vocab 384, untied
@@ -56,6 +56,6 @@ def test_mixtral_counts_its_two_of_four_experts(tmp_path):
 
 
 def test_a_dense_model_is_counted_whole():
-    info = describe_model(load_recipe(f"{ROOT / 'configs' / 'llama_tiny.py'}:test"))
+    info = describe_model(load_recipe(f"{ROOT / 'portable_fsdp' / 'configs' / 'llama_tiny.py'}:test"))
     assert info.n_routed_expert_params == 0
     assert info.n_active_params == info.n_params - info.n_embedding_params

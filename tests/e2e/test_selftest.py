@@ -48,6 +48,7 @@ def test_a_selection_of_rows_passes_on_every_backend(tmp_path, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)  # every row of a backend: ~8 min alone on 2 cores, more beside another test
 @pytest.mark.parametrize("backend", ["cpu", "xla", "flax"])
 def test_every_row_this_backend_honours_passes(tmp_path, backend):
     proc, report = selftest(tmp_path, "--backend", backend)
