@@ -17,46 +17,42 @@ from __future__ import annotations
 
 import concurrent.futures
 import pathlib
-from typing import Protocol
+from typing import Callable, NamedTuple
 
 from portable_fsdp.checkpoint import layout as checkpointing
 
 
-class Writer(Protocol):
-    """A backend's writers, bound to the state they write (the backends' checkpoint modules). Every process calls
-    every method, in the same order, and each may be a collective, unless it says otherwise. The files returned,
+class Writer(NamedTuple):
+    """A backend's writers of one state, as functions (its checkpoint module builds one per save). Every process
+    calls each, in the same order, and each may be a collective, unless said otherwise. Files are returned as
     {path: checksum entry (checkpointing.HashingWriter's, when hashed while written) or None (checksummed by the
-    session afterwards)}, are those this process wrote."""
+    checkpoint session afterwards)}: those this process wrote."""
 
-    rank: int  # this process's index; 0 is the main process, which writes the files only one process writes
-    full: bool  # a FULL_STATE_DICT checkpoint (the plan's state_dict_type); else SHARDED_STATE_DICT
-
-    def weights(self, directory: pathlib.Path) -> dict:
-        """The FULL weights into `directory` as save_pretrained lays them out (safetensors shards of
-        train.max_shard_size + index, in train.save_dtype: portable_fsdp.checkpoint.safetensors_shards), one parameter gathered
-        at a time; each process writes the shard files it owns."""
-
-    def optimizer_state(self) -> object:
-        """torch's full optimizer state dict ({"state": {name: {...}}, "param_groups": [...]}, keyed by parameter
-        name), whole on the main process (what the others get is dropped), in host memory: the main process writes
-        it in a thread while the weights stream."""
-
-    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
-        """Main process only, no collective: the model's config.json (with `full`, what from_pretrained needs to
-        load the weights beside it: the class to build, train.save_dtype) and generation_config.json where the
-        backend writes one."""
-
-    def sharded(self, directory: pathlib.Path):
-        """This process's shards of the weights and the optimizer state into `directory` (the checkpoint's
-        sharded/, which may not exist yet), in the backend's own format (checkpointing.SHARDED_FORMATS). With
-        train.async_save a backend may return, once the state is copied, a concurrent.futures.Future of the files
-        instead (portable_fsdp/checkpoint/async_save.py finishes the save)."""
-
-    def rng_state(self) -> object | None:
-        """This process's RNG states, no collective; None where training draws no random numbers."""
-
-    def torch_save(self, obj, file) -> None:
-        """`torch.save(obj, file)`, `file` a path or a HashingWriter: the format of optimizer.pt and rng/*.pt."""
+    # This process's index; 0 is the main process, which writes the files only one process writes.
+    rank: int
+    # A FULL_STATE_DICT checkpoint (the plan's state_dict_type); else SHARDED_STATE_DICT.
+    full: bool
+    # (directory) -> files: the FULL weights as save_pretrained lays them out (safetensors shards of
+    # train.max_shard_size + index, in train.save_dtype: portable_fsdp.checkpoint.safetensors_shards), one parameter gathered
+    # at a time, each process writing the shard files it owns.
+    weights: Callable[[pathlib.Path], dict]
+    # () -> torch's full optimizer state dict ({"state": {name: {...}}, "param_groups": [...]}, keyed by parameter
+    # name), whole on the main process (what the others get is dropped), in host memory: the main process writes
+    # it in a thread while the weights stream.
+    optimizer_state: Callable[[], object]
+    # (directory, full) -> files; main process only, no collective: the model's config.json (with `full`, what
+    # from_pretrained needs to load the weights beside it: the class to build, train.save_dtype) and
+    # generation_config.json where the backend writes one.
+    model_config: Callable[[pathlib.Path, bool], dict]
+    # (directory) -> files: this process's shards of the weights and optimizer state into `directory` (the
+    # checkpoint's sharded/, which may not exist yet), in the backend's own format (checkpointing.SHARDED_FORMATS);
+    # with train.async_save a backend may return, once the state is copied, a concurrent.futures.Future of the
+    # files instead (portable_fsdp/checkpoint/async_save.py finishes the save).
+    sharded: Callable[[pathlib.Path], object]
+    # (obj, file) -> None: torch.save, `file` a path or a HashingWriter (the format of optimizer.pt and rng/*.pt).
+    torch_save: Callable[[object, object], None]
+    # () -> this process's RNG states, no collective; None where training draws no random numbers.
+    rng_state: Callable[[], object] | None = None
 
 
 def write(files: Writer, directory: pathlib.Path):
@@ -66,7 +62,7 @@ def write(files: Writer, directory: pathlib.Path):
     if files.full:
         written = _full(files, directory, with_optimizer=True)
     else:
-        written = files.model_config(directory, full=False) if files.rank == 0 else {}
+        written = files.model_config(directory, False) if files.rank == 0 else {}
     written.update(_rng(files, directory))
     if files.full:
         return written
@@ -92,7 +88,7 @@ def _full(files: Writer, directory: pathlib.Path, with_optimizer: bool) -> dict:
         if optimizer_file is not None:
             written.update(optimizer_file.result())
     if main:
-        written.update(files.model_config(directory, full=True))
+        written.update(files.model_config(directory, True))
     return written
 
 
@@ -103,9 +99,9 @@ def _write_optimizer(files: Writer, state, directory: pathlib.Path) -> dict:
 
 
 def _rng(files: Writer, directory: pathlib.Path) -> dict:
-    saved = files.rng_state()
-    if saved is None:
+    if files.rng_state is None:
         return {}
+    saved = files.rng_state()
     path = checkpointing.rng_file(directory, files.rank)
     path.parent.mkdir(exist_ok=True)
     files.torch_save(saved, path)

@@ -1,5 +1,5 @@
 """Checkpoints of the Flax lowering (layout: portable_fsdp.checkpoint.layout; which files each process writes, and in
-which order: portable_fsdp.checkpoint.files, given this module's `_Writer`).
+which order: portable_fsdp.checkpoint.files, given this module's `_writer`).
 
 FULL_STATE_DICT, in the torch backends' format: `model.safetensors` (or shards of train.max_shard_size +
 model.safetensors.index.json, in train.save_dtype) + `config.json` + `generation_config.json`: a directory
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import pathlib
 
 import jax
@@ -32,45 +33,37 @@ def save_checkpoint(state: TrainState, directory: pathlib.Path):
     moments (collectives); the weights' shard files are written by the process owning each, the rest by process 0.
     SHARDED: every process writes its own shards (sharded.py; a future of its files with train.async_save).
     Returns {path: checksum or None} of the files this process wrote. Which files: portable_fsdp.checkpoint.files."""
-    return checkpoint_files.write(_Writer(state), directory)
+    return checkpoint_files.write(_writer(state), directory)
 
 
 def export_weights(state: TrainState, directory: pathlib.Path) -> dict:
     """The weights and model config of a FULL checkpoint, without the optimizer state (train.export_full_at_end,
     at the end of a SHARDED run)."""
-    return checkpoint_files.write_export(_Writer(state), directory)
+    return checkpoint_files.write_export(_writer(state), directory)
 
 
-class _Writer:
-    """This backend's writers of one state (portable_fsdp.checkpoint.files.Writer)."""
+def _writer(state: TrainState) -> checkpoint_files.Writer:
+    """This backend's writers of `state` (no RNG: training draws no random numbers)."""
+    return checkpoint_files.Writer(
+        rank=jax.process_index(), full=state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
+        weights=functools.partial(_save_weights, state),
+        optimizer_state=functools.partial(_torch_optimizer_state, state),
+        model_config=lambda directory, full: _model_config(state, directory),
+        sharded=functools.partial(sharded.save, state), torch_save=_torch_save)
 
-    def __init__(self, state: TrainState):
-        self.state, self.rank = state, jax.process_index()
-        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
 
-    def weights(self, directory: pathlib.Path) -> dict:
-        return _save_weights(self.state, directory)
+def _model_config(state: TrainState, directory: pathlib.Path) -> dict:
+    """config.json and generation_config.json, the same beside FULL weights and SHARDED files (see
+    _write_hf_config); {path: None} of them."""
+    ctx = state.ctx
+    _write_hf_config(ctx.hf_config, ctx.info.root_class, directory, ctx.config.train.save_dtype)
+    return {directory / name: None for name in ("config.json", "generation_config.json")}
 
-    def optimizer_state(self) -> dict:
-        return _torch_optimizer_state(self.state)
 
-    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
-        """config.json and generation_config.json, the same beside FULL weights and SHARDED files (see
-        _write_hf_config)."""
-        ctx = self.state.ctx
-        _write_hf_config(ctx.hf_config, ctx.info.root_class, directory, ctx.config.train.save_dtype)
-        return {directory / name: None for name in ("config.json", "generation_config.json")}
+def _torch_save(obj, file) -> None:
+    import torch  # optimizer.pt is torch's format: imported by FULL saves only
 
-    def sharded(self, directory: pathlib.Path):
-        return sharded.save(self.state, directory)
-
-    def rng_state(self) -> None:
-        return None  # training draws no random numbers
-
-    def torch_save(self, obj, file) -> None:
-        import torch
-
-        torch.save(obj, file)
+    torch.save(obj, file)
 
 
 def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:

@@ -1,5 +1,5 @@
 """Writing and reading the torch backend's part of a checkpoint directory (layout: portable_fsdp.checkpoint.layout;
-which files each rank writes, and in which order: portable_fsdp.checkpoint.files, given this module's `_Writer`).
+which files each rank writes, and in which order: portable_fsdp.checkpoint.files, given this module's `_writer`).
 
 FULL_STATE_DICT: the weights as `save_pretrained` writes them (model.safetensors, or shards of at most
 train.max_shard_size + model.safetensors.index.json, in train.save_dtype) + config.json + generation_config.json,
@@ -43,41 +43,26 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def save_checkpoint(state, directory: pathlib.Path):
     """Every rank calls this; `directory` exists (rank 0 made it). Returns {path: checksum or None} of this
     rank's files (a future of them with train.async_save: SHARDED only). Which files: portable_fsdp.checkpoint.files."""
-    return checkpoint_files.write(_Writer(state), directory)
+    return checkpoint_files.write(_writer(state), directory)
 
 
 def export_weights(state, directory: pathlib.Path) -> dict:
     """Every rank: the FULL checkpoint's weights and model config, no optimizer state (train.export_full_at_end:
     the export of a SHARDED run). Returns {path: checksum or None} of this rank's files."""
-    return checkpoint_files.write_export(_Writer(state), directory)
+    return checkpoint_files.write_export(_writer(state), directory)
 
 
-class _Writer:
-    """This backend's writers of one state (portable_fsdp.checkpoint.files.Writer)."""
-
-    def __init__(self, state):
-        self.state, self.rank = state, dist.get_rank()
-        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
-
-    def weights(self, directory: pathlib.Path) -> dict:
-        return save_full_weights(self.state.model, directory, self.state.ctx.config.train)
-
-    def optimizer_state(self) -> dict:
-        return get_optimizer_state_dict(self.state.model, self.state.optimizer, options=FULL)  # on rank 0's CPU
-
-    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
-        return export.model_config(self.state.model, self.state.ctx.info.root_class, directory,
-                                   self.state.ctx.config.train.save_dtype, full)
-
-    def sharded(self, directory: pathlib.Path):
-        return _save_sharded(self.state, directory)
-
-    def rng_state(self) -> dict:
-        cuda = self.state.ctx.runtime.device.type == "cuda"
-        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None}
-
-    def torch_save(self, obj, file) -> None:
-        torch.save(obj, file)
+def _writer(state) -> checkpoint_files.Writer:
+    """This backend's writers of `state`."""
+    train, cuda = state.ctx.config.train, state.ctx.runtime.device.type == "cuda"
+    return checkpoint_files.Writer(
+        rank=dist.get_rank(), full=state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
+        weights=lambda directory: save_full_weights(state.model, directory, train),
+        optimizer_state=lambda: get_optimizer_state_dict(state.model, state.optimizer, options=FULL),  # rank 0's CPU
+        model_config=lambda directory, full: export.model_config(state.model, state.ctx.info.root_class, directory,
+                                                                 train.save_dtype, full),
+        sharded=functools.partial(_save_sharded, state), torch_save=torch.save,
+        rng_state=lambda: {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None})
 
 
 def _save_sharded(state, sharded: pathlib.Path):

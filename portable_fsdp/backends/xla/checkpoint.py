@@ -1,6 +1,6 @@
 """Writing and reading the xla backend's part of a checkpoint directory (layout: portable_fsdp.checkpoint.layout;
 which files each process writes, and in which order: portable_fsdp.checkpoint.files, given this module's
-`_Writer`), in the torch backend's formats so a checkpoint moves between backends:
+`_writer`), in the torch backend's formats so a checkpoint moves between backends:
 
 FULL_STATE_DICT: every shard is gathered (not only the first process's), one parameter at a time, into
 `model.safetensors` (or shards of train.max_shard_size + index, in train.save_dtype: safetensors_shards) +
@@ -12,6 +12,7 @@ process under FSDP v1. Both add `rng/rank_*.pt` per process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 
 import torch
@@ -30,41 +31,27 @@ def save_checkpoint(state, directory: pathlib.Path):
     """Every process calls this; `directory` exists (process 0 made it). Returns {path: checksum or None} of the
     files this process wrote. Which files: portable_fsdp.checkpoint.files."""
     rt.sync()  # the weights read are those of the last finished step
-    return checkpoint_files.write(_Writer(state), directory)
+    return checkpoint_files.write(_writer(state), directory)
 
 
 def export_weights(state, directory: pathlib.Path) -> dict:
     """Every process: the FULL checkpoint's weights and model config, no optimizer state
     (train.export_full_at_end: the export of a SHARDED run). Returns {path: checksum or None} of its files."""
     rt.sync()
-    return checkpoint_files.write_export(_Writer(state), directory)
+    return checkpoint_files.write_export(_writer(state), directory)
 
 
-class _Writer:
-    """This backend's writers of one state (portable_fsdp.checkpoint.files.Writer)."""
-
-    def __init__(self, state):
-        self.state, self.rank = state, state.ctx.runtime.rank
-        self.full = state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT
-
-    def weights(self, directory: pathlib.Path) -> dict:
-        return _save_full_weights(self.state, directory)
-
-    def optimizer_state(self) -> dict:
-        return _full_optimizer_state(self.state)
-
-    def model_config(self, directory: pathlib.Path, full: bool) -> dict:
-        ctx = self.state.ctx
-        return export.model_config(ctx.hf_model, ctx.info.root_class, directory, ctx.config.train.save_dtype, full)
-
-    def sharded(self, directory: pathlib.Path) -> dict:
-        return _save_sharded(self.state, directory)
-
-    def rng_state(self) -> dict:
-        return {"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()}
-
-    def torch_save(self, obj, file) -> None:
-        torch.save(obj, file)
+def _writer(state) -> checkpoint_files.Writer:
+    """This backend's writers of `state`."""
+    ctx = state.ctx
+    return checkpoint_files.Writer(
+        rank=ctx.runtime.rank, full=ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
+        weights=functools.partial(_save_full_weights, state),
+        optimizer_state=functools.partial(_full_optimizer_state, state),
+        model_config=lambda directory, full: export.model_config(ctx.hf_model, ctx.info.root_class, directory,
+                                                                 ctx.config.train.save_dtype, full),
+        sharded=functools.partial(_save_sharded, state), torch_save=torch.save,
+        rng_state=lambda: {"cpu": torch.get_rng_state(), "cuda": None, "xla": xm.get_rng_state()})
 
 
 def _save_full_weights(state, directory: pathlib.Path) -> dict:
