@@ -19,7 +19,7 @@ import tempfile
 
 from portable_fsdp import backends
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, print_notices_as_lines
 from portable_fsdp.plot import pyplot, save_figure
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 
@@ -117,6 +117,7 @@ def plot(results: dict, rows: list, path: pathlib.Path, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    print_notices_as_lines()
     try:
         args, shared = parse_args(sys.argv[1:] if argv is None else argv)
         names = [n.strip() for n in args.backends.split(",") if n.strip()]

@@ -1,6 +1,8 @@
 """The ways a run ends on purpose: UserError (a fixable mistake: one `error:` line, exit 2),
-TrainingDiverged (exit 3) and Interrupted (exit 130)."""
+TrainingDiverged (exit 3) and Interrupted (exit 130); and Notice, what the user should know that stops
+nothing (one `warning:` line)."""
 import math
+import warnings
 
 
 class UserError(Exception):
@@ -53,3 +55,28 @@ def require_finite(step: int, loss: float, grad_norm: float, nonfinite: str) -> 
     if not finite and nonfinite == "stop":
         raise TrainingDiverged(step, loss, grad_norm)
     return finite
+
+
+class Notice(UserWarning):
+    """A setting that runs, but not as the user may expect (ignored, replaced, costly): the command prints it as
+    one `warning: ...` line, without Python's source line."""
+
+
+def notify(message: str) -> None:
+    """Warn the user in one line (a Notice), attributed to the caller's caller."""
+    warnings.warn(message, Notice, stacklevel=3)
+
+
+_python_format = warnings.formatwarning
+
+
+def _format(message, category, filename, lineno, line=None) -> str:
+    if issubclass(category, Notice):
+        return f"warning: {message}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+def print_notices_as_lines() -> None:
+    """Make this process print every Notice as one `warning:` line (the command's processes call it; a
+    notebook keeps Python's format)."""
+    warnings.formatwarning = _format

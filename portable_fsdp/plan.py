@@ -51,13 +51,16 @@ class MeshSpec:
     Accelerate do), the rest of the model is sharded over all of fsdp."""
 
     dp_replicate_size: int = setting(1, "HSDP: replicas of the sharded model; gradients are reduce-scattered in a "
-                                        "replica and all-reduced across replicas", accelerate=("dp_replicate_size",))
+                                        "replica and all-reduced across replicas; -1 = what the other axes leave "
+                                        "of the world (with fsdp_size=1: DDP)", hf=("dp_replicate_size",),
+                                     accelerate=("dp_replicate_size",))
     fsdp_size: int = setting(-1, "ranks parameters are sharded over; -1 = what the other axes leave of the world",
-                             accelerate=("dp_shard_size",))
+                             hf=("fsdp_size",), accelerate=("dp_shard_size", "fsdp_size"))
     cp_size: int = setting(1, "context parallelism: ranks one sequence is split over", accelerate=("cp_size",))
-    tp_size: int = setting(1, "tensor parallelism: ranks one layer's weights are split over", accelerate=("tp_size",))
+    tp_size: int = setting(1, "tensor parallelism: ranks one layer's weights are split over", hf=("tp_size",),
+                           accelerate=("tp_size",))
     ep_size: int = setting(1, "expert parallelism: ranks (out of the fsdp ranks) the experts of a MoE layer are "
-                              "split over")
+                              "split over", hf=("ep_size",), accelerate=("ep_size",))
     sp_size: int = setting(1, "Ulysses sequence parallelism: ranks one sequence is split over, heads exchanged "
                               "around attention", accelerate=("sp_size",))
 
@@ -67,10 +70,21 @@ class MeshSpec:
                 "tp_size": self.tp_size}
 
     def resolve(self, world_size: int) -> "MeshSpec":
-        """Infer `fsdp_size` and check that the product of the axes is the world size."""
-        for name, size in {"fsdp_size": self.fsdp_size, "ep_size": self.ep_size, **self.other_axes()}.items():
-            if size == 0 or size < -1 or (size == -1 and name != "fsdp_size"):
+        """Infer `fsdp_size` (or `dp_replicate_size`) and check that the product of the axes is the world size."""
+        sizes = {"fsdp_size": self.fsdp_size, "ep_size": self.ep_size, **self.other_axes()}
+        for name, size in sizes.items():
+            if size == 0 or size < -1 or (size == -1 and name not in ("fsdp_size", "dp_replicate_size")):
                 raise UserError(f"plan.{name}", f"must be a positive integer (got {size})")
+        if self.dp_replicate_size == -1:
+            if self.fsdp_size == -1:
+                raise UserError("plan.dp_replicate_size", "-1 infers the replicas from the world, which needs a "
+                                "fixed plan.fsdp_size (e.g. 1: every rank a whole replica); set one of them")
+            rest = self.fsdp_size * self.cp_size * self.sp_size * self.tp_size
+            if world_size % rest:
+                raise UserError("plan.dp_replicate_size", (
+                    f"cannot infer: world size {world_size} is not divisible by fsdp*cp*sp*tp = {rest}; change the "
+                    "mesh sizes or --nproc"))
+            return dataclasses.replace(self, dp_replicate_size=world_size // rest).resolve(world_size)
         others = math.prod(self.other_axes().values())
         fsdp = self.fsdp_size
         product = "dp_replicate*cp*sp*tp"

@@ -12,10 +12,11 @@ import pathlib
 import warnings
 
 from portable_fsdp import backends
-from portable_fsdp.errors import UserError
+from portable_fsdp.config.hf_import import load_yaml
+from portable_fsdp.errors import Notice, UserError
 
 # Read by hf_import.apply_accelerate_yaml.
-PLAN_KEYS = ("fsdp_config", "mixed_precision", "parallelism_config")
+PLAN_KEYS = ("fsdp_config", "mixed_precision", "parallelism_config", "use_parallelism_config")
 # Decided by torchrun when the command runs under it.
 PROCESS_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                 "rdzv_backend")
@@ -39,7 +40,7 @@ IGNORED_KEYS = {
 }
 
 
-class IgnoredKey(UserWarning):
+class IgnoredKey(Notice):
     """A key of the file that is read but not acted on; the command prints it as one `warning:` line."""
 
 
@@ -69,9 +70,7 @@ def from_file(path: str | None, backend: str = "auto", nproc: int | None = None,
     """The settings for `--fsdp_config path` (a JSON, or no file: the command line's alone)."""
     if path is None or pathlib.Path(path).suffix not in (".yaml", ".yml"):
         return LaunchSettings(backend=backend, nproc=nproc)
-    import yaml
-
-    return settings(yaml.safe_load(pathlib.Path(path).read_text()), path, backend, nproc, torchrun)
+    return settings(load_yaml(pathlib.Path(path).read_text(), path), path, backend, nproc, torchrun)
 
 
 def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = None,
@@ -102,6 +101,8 @@ def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = N
     if rdzv not in RDZV_BACKENDS:
         raise UserError(f"{path}: rdzv_backend", f"{rdzv!r} is not supported; choose static (Accelerate's default) or c10d")
     ip, port = data.get("main_process_ip"), data.get("main_process_port")
+    if ip is not None and not isinstance(ip, str):
+        raise UserError(f"{path}: main_process_ip", f"must be an address such as 10.0.0.1 (got {ip!r})")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         raise UserError(f"{path}: main_process_port", f"must be a port number (got {port!r})")
     if machines > 1:

@@ -4,14 +4,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import warnings
 
 from portable_fsdp import capabilities, plan as plan_lib
 
 from portable_fsdp.training import trackers
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config.schema import flat_fields
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, notify
 from portable_fsdp.training.evaluation import resolve_metrics
 from portable_fsdp.mesh_fit import check_mesh_fits
 from portable_fsdp.training.sequence_split import check_divisible
@@ -58,9 +57,9 @@ def check_backend(config, plan: plan_lib.ShardingPlan, backend: str, device: str
     for rule, verdict in found:
         text = capabilities.message(rule, verdict, context, target)
         if isinstance(verdict, capabilities.Caution):
-            warnings.warn(f"{rule.field}={capabilities.show(context[rule.field])}: {text}", stacklevel=2)
+            notify(f"{rule.field}={capabilities.show(context[rule.field])}: {text}")
         else:
-            warnings.warn(f"{rule.field} has no effect on --backend {backend}: {text}", stacklevel=2)
+            notify(f"{rule.field} has no effect on --backend {backend}: {text}")
 
 
 def capability_context(config, plan: plan_lib.ShardingPlan, device: str, nproc: int,

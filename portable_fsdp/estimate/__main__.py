@@ -24,7 +24,7 @@ from portable_fsdp import backends
 from portable_fsdp.machine import hardware
 from portable_fsdp.cli import Parser, config_overrides
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, print_notices_as_lines
 from portable_fsdp.estimate.fit import estimate_config
 from portable_fsdp.estimate.process import EstimateFailed, Estimator
 from portable_fsdp.estimate.report import render, verdict
@@ -62,6 +62,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    print_notices_as_lines()
     try:
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         config = load_recipe(args.config)

@@ -7,7 +7,6 @@ import functools
 import os
 import pathlib
 import socket
-import warnings
 
 from portable_fsdp import backends
 
@@ -16,7 +15,7 @@ from portable_fsdp.checkpoint import layout as checkpointing
 from portable_fsdp.launch import workdir_lock
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.data.loader import check_data
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, notify
 from portable_fsdp.config.validate import check_backend, resolve_plan
 
 
@@ -35,7 +34,7 @@ def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path,
     check_backend(config, plan, backend_name, device or backend_name, world_size, info)
     plan.wrap_classes(info)
     for message in plan.wrap_warnings(info):
-        warnings.warn(message, stacklevel=2)
+        notify(message)
     if config.train.check_fit:  # before anything is written: a run that will not fit is one line
         from portable_fsdp.estimate import check_fit
 

@@ -9,7 +9,7 @@ from portable_fsdp import backends
 from portable_fsdp.config import schema as config_lib
 
 from portable_fsdp.training import loop
-from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError, print_notices_as_lines
 from portable_fsdp.config.validate import resolve_plan
 
 
@@ -31,6 +31,7 @@ def main(spec: dict) -> dict:
     Under an elastic agent (our launcher or torchrun, which set TORCHELASTIC_ERROR_FILE) torch's `record`
     writes any other exception to that file, which the agent reads to name the failed rank and its error.
     It is applied here, at call time, so that importing this module imports no framework."""
+    print_notices_as_lines()
     if "TORCHELASTIC_ERROR_FILE" in os.environ:
         from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -23,7 +23,7 @@ import time
 
 from portable_fsdp import backends
 from portable_fsdp.config.schema import command_line_text
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, print_notices_as_lines
 from portable_fsdp.cli import Parser
 from portable_fsdp.selftest import features, probe, report, runs
 
@@ -116,6 +116,7 @@ def feature_rows(backend: str, nproc: int, device: str, chosen: list, scratch: p
 
 
 def main(argv=None) -> int:
+    print_notices_as_lines()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         backend = backends.resolve(args.backend)

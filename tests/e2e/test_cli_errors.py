@@ -238,3 +238,21 @@ def test_several_machines_are_refused_when_auto_resolves_to_xla(capsys, tmp_path
     assert err[-1] == (f"error: {yaml}: num_machines: = 2: the xla backend's launcher starts one host; set "
                        "num_machines: 1")
     assert not (tmp_path / "w").exists()
+
+
+def test_warnings_are_one_line_each_with_no_python_source_line(tmp_path):
+    """What runs but not as asked (a capability warning, an ignored flag, an FSDP1 file) is one `warning:` line
+    on stderr, not Python's `file:line: UserWarning` and the source line under it."""
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text(json.dumps({"version": 1, "use_orig_params": True}))
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    proc = cli(["--config", TEST_RECIPE, "--workdir", str(not_a_directory), "--fsdp_config", str(fsdp),
+                "--parallelism_config_cp_size", "2", "--config.plan.transformer_layer_cls_to_wrap=Linear"], cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: --workdir"), proc.stderr
+    warned = lines[:-1]
+    assert all(line.startswith("warning: ") for line in warned), warned
+    assert [line.split(":")[1].strip() for line in warned if "fsdp.json" in line] == [str(fsdp)] * 2
+    assert any("--parallelism_config_cp_size is ignored" in line for line in warned)
+    assert any("Linear holds no other module" in line for line in warned)

@@ -79,6 +79,8 @@ VARIANTS = {
     "fsdp2_sp2": Variant({"plan.sp_size": "2"}, world=4),
     "documents_sp2": Variant({**DOCUMENTS, "plan.sp_size": "2"}),
     "hsdp2x2": Variant({"plan.dp_replicate_size": "2"}, world=4),
+    # NO_SHARD (DDP): every rank a whole replica, the replicas inferred from the world.
+    "ddp2": Variant({"plan.dp_replicate_size": "-1", "plan.fsdp_size": "1"}),
     # ... and with what else changes the model or where its weights come from.
     "tied_tp2": Variant({"model.tie_word_embeddings": "true", "plan.tp_size": "2"}),
     "tp2_rank0_loading": Variant({"plan.cpu_ram_efficient_loading": "true", "plan.tp_size": "2"}),
@@ -109,7 +111,7 @@ DEFAULT = {
             "batch8", "batch8_accum4", "rank0_loading", "tied", "documents", "tied_rank0_loading",
             "cp2_allgather", "cp2_alltoall", "documents_cp2_allgather", "documents_cp2_alltoall",
             "fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
-            "cp4_alltoall_contiguous", "tp2", "loss_chunks", "unchunked_loss"],
+            "cp4_alltoall_contiguous", "tp2", "ddp2", "loss_chunks", "unchunked_loss"],
     "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2",
             "v1", "loss_chunks"],
     "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2", "loss_chunks"],

@@ -8,6 +8,7 @@ import pytest
 from portable_fsdp.config import validate
 from portable_fsdp.config.schema import base_config
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, xla_settings_onto_spmd_plan
+from portable_fsdp.errors import Notice
 from portable_fsdp.plan import MixedPrecision, StateDictType, WrapPolicy
 from tests.unit._helpers import user_error
 
@@ -118,19 +119,32 @@ def test_string_booleans_accepted(config, tmp_path):
                                                ("shard_grad_op", False)])
 def test_fsdp1_sharding_strategy(config, tmp_path, strategy, reshard):
     config.plan.reshard_after_forward = not reshard
-    apply_quietly(config, write_json(tmp_path, {"version": 1, "fsdp_sharding_strategy": strategy}))
+    apply_quietly(config, write_json(tmp_path, {"version": 2, "fsdp_sharding_strategy": strategy}))
     assert config.plan.reshard_after_forward is reshard
 
 
-@pytest.mark.parametrize("strategy, label, fix", [
-    ("NO_SHARD", "NO_SHARD", "keeps a whole copy of the model on every rank (DDP)"),
-    (3, "3 (NO_SHARD)", "use FULL_SHARD (reshard_after_forward: true) or SHARD_GRAD_OP"),
-])
-def test_fsdp1_sharding_strategy_without_equivalent(config, tmp_path, strategy, label, fix):
-    path = write_json(tmp_path, {"sharding_strategy": strategy})
-    with user_error(f"{path}: sharding_strategy", f"{label} ") as info:
+@pytest.mark.parametrize("strategy", ["NO_SHARD", 3, "3", "_no_shard"])
+def test_no_shard_is_ddp_every_rank_a_replica(config, tmp_path, strategy):
+    """Hugging Face's NO_SHARD is DDP: nothing sharded (fsdp 1), the world replicated."""
+    apply_quietly(config, write_json(tmp_path, {"sharding_strategy": strategy}))
+    assert (config.plan.fsdp_size, config.plan.dp_replicate_size) == (1, -1)
+    assert config.plan.reshard_after_forward is False
+    mesh = validate.resolve_plan(config, 4).mesh
+    assert (mesh.dp_replicate_size, mesh.fsdp_size, mesh.data_parallel_size) == (4, 1, 4)
+
+
+@pytest.mark.parametrize("version", [1, "1"])
+def test_fsdp1_file_runs_fsdp2_and_says_what_differs(config, tmp_path, version):
+    path = write_json(tmp_path, {"version": version, "sharding_strategy": "FULL_SHARD", "use_orig_params": True})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         apply_fsdp_file(config, path)
-    assert fix in info.value.message
+    lines = [str(w.message) for w in record]
+    assert any(line.startswith(f"{path}: version: FSDP1 runs as FSDP2 here: parameters are sharded one by one as "
+                               "DTensors instead of flattened into FlatParameters, so use_orig_params has no meaning")
+               for line in lines), lines
+    assert all(issubclass(w.category, Notice) for w in record)
+    assert config.plan.reshard_after_forward is True
 
 
 # What `accelerate config` writes for FSDP1 (fsdp_version 1): the strategy under fsdp_reshard_after_forward,
@@ -182,8 +196,7 @@ def test_accelerate_fsdp1_yaml_strategy_in_reshard_after_forward(config, tmp_pat
     assert plan.mixed_precision == MixedPrecision("bfloat16", "float32")
 
 
-@pytest.mark.parametrize("strategy, phrase", [("NO_SHARD", "NO_SHARD keeps a whole copy"), (3, "3 (NO_SHARD)"),
-                                              ("EVERYTHING", "unknown sharding strategy 'EVERYTHING'"),
+@pytest.mark.parametrize("strategy, phrase", [("EVERYTHING", "unknown sharding strategy 'EVERYTHING'"),
                                               (7, "unknown sharding strategy 7")])
 def test_accelerate_fsdp1_yaml_strategy_without_equivalent(config, tmp_path, strategy, phrase):
     path = write_yaml(tmp_path, ACCELERATE_FSDP1_YAML.format(strategy=strategy))
@@ -204,9 +217,10 @@ def test_trainer_fsdp_option_string(config, text, reshard, offload):
 
 
 @pytest.mark.parametrize("text, field, phrase", [
-    ("no_shard", "--fsdp: no_shard", "keeps a whole copy of the model on every rank (DDP)"),
     ("full_shard autowrap", "--fsdp: autowrap", "is not an fsdp option; choose from full_shard, shard_grad_op, "
-                                                "offload, auto_wrap, hybrid_shard, hybrid_shard_zero2"),
+                                                "hybrid_shard, hybrid_shard_zero2, no_shard, offload, auto_wrap"),
+    ("maybe", "--fsdp: maybe", "is not an fsdp option"),
+    ([1], "--fsdp", "must be option words such as 'full_shard auto_wrap', or true (got [1])"),
 ])
 def test_trainer_fsdp_option_string_refusals(config, text, field, phrase):
     with user_error(field, phrase):
@@ -232,9 +246,12 @@ def test_unknown_key(config, tmp_path):
 
 
 @pytest.mark.parametrize("key, value, phrase", [
-    ("cpu_offload", "yes", "must be a bool (got 'yes')"),
+    ("cpu_offload", "maybe", "must be true or false (got 'maybe')"),
+    ("cpu_offload", 2, "must be true or false (got 2)"),
     ("min_num_params", 1.5, "must be a int (got 1.5)"),
-    ("reshard_after_forward", 1.5, "unknown sharding strategy 1.5; write true/false, FULL_SHARD or SHARD_GRAD_OP"),  # 1-5: FSDP1 numbers
+    ("min_num_params", "many", "must be an integer (got 'many')"),
+    ("reshard_after_forward", 1.5, "unknown sharding strategy 1.5; write true/false, FULL_SHARD, SHARD_GRAD_OP, "
+                                   "HYBRID_SHARD, HYBRID_SHARD_ZERO2 or NO_SHARD (FSDP1's 1-5)"),
     ("auto_wrap_policy", 2, "must be a str (got 2)"),
     ("transformer_layer_cls_to_wrap", ["LlamaDecoderLayer", 3], "must be a list of names"),
 ])
@@ -244,7 +261,7 @@ def test_wrong_type(config, tmp_path, key, value, phrase):
         apply_fsdp_file(config, path)
 
 
-@pytest.mark.parametrize("version", [3, 0, "two"])
+@pytest.mark.parametrize("version", [3, 0, "two", 2.0, True, None])
 def test_bad_version(config, tmp_path, version):
     path = write_json(tmp_path, {"version": version})
     with user_error(f"{path}: version", f"must be 1 or 2 (got {version!r})"):
@@ -358,7 +375,7 @@ def test_accelerate_yaml_bad_cp_size_type(config, tmp_path):
         parallelism_config:
           parallelism_config_cp_size: two
     """)
-    with user_error(f"{path}: parallelism_config_cp_size", "must be a int (got 'two')"):
+    with user_error(f"{path}: parallelism_config_cp_size", "must be an integer (got 'two')"):
         apply_fsdp_file(config, path)
 
 
@@ -381,11 +398,36 @@ def test_hybrid_strategy_replicates_across_the_machines(config, tmp_path, strate
     assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (machines, reshard)
 
 
-def test_hybrid_strategy_in_an_fsdp_json_and_the_fsdp_option(config, tmp_path):
+@pytest.mark.parametrize("environment, machines", [
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "RANK": "3"}, 2),  # torchrun --nnodes 2 --nproc-per-node 8
+    ({"SLURM_JOB_NUM_NODES": "4"}, 4),
+    ({"SLURM_NNODES": "3"}, 3),
+])
+def test_hybrid_strategy_replicates_over_the_machines_the_launcher_reports(config, tmp_path, monkeypatch,
+                                                                           environment, machines):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     apply_quietly(config, write_json(tmp_path, {"sharding_strategy": "HYBRID_SHARD_ZERO2"}))
-    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (1, False)
-    apply_fsdp_option(config, "hybrid_shard auto_wrap")
-    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (1, True)
+    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (machines, False)
+    config.plan.dp_replicate_size = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_fsdp_option(config, "hybrid_shard auto_wrap")
+    assert (config.plan.dp_replicate_size, config.plan.reshard_after_forward) == (machines, True)
+
+
+def test_hybrid_strategy_on_one_machine_says_it_runs_as_full_shard(config, tmp_path, monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    path = write_json(tmp_path, {"sharding_strategy": "HYBRID_SHARD"})
+    with pytest.warns(Notice) as record:
+        apply_fsdp_file(config, path)
+    assert [str(w.message) for w in record] == [
+        f"{path}: sharding_strategy: a hybrid strategy replicates across machines and this launcher reports one, so "
+        "it shards over every rank as FULL_SHARD does; run on several machines, or set plan.dp_replicate_size"]
+    assert config.plan.dp_replicate_size == 1
 
 
 def test_accelerate_yaml_fsdp1_keys(config, tmp_path):
@@ -403,11 +445,29 @@ def test_accelerate_yaml_fsdp1_keys(config, tmp_path):
 
 
 @pytest.mark.parametrize("text", ["distributed_type: FSDP\nmixed_precision: bf16\n",
-                                  "distributed_type: FSDP\nfsdp_config: {}\n",
-                                  "fsdp_config: FULL_SHARD\n"])
+                                  "distributed_type: FSDP\nfsdp_config: {}\n"])
 def test_yaml_without_fsdp_config(config, tmp_path, text):
     path = write_yaml(tmp_path, text)
     with user_error("--fsdp_config", "has no fsdp_config section"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("text, key, got", [("fsdp_config: FULL_SHARD\n", "fsdp_config", "'FULL_SHARD'"),
+                                            ("fsdp_config:\n  fsdp_version: 2\nparallelism_config: [1]\n",
+                                             "parallelism_config", "[1]"),
+                                            ("fsdp_config:\n  fsdp_version: 2\nparallelism_config: 4\n",
+                                             "parallelism_config", "4")])
+def test_yaml_section_that_is_not_a_mapping(config, tmp_path, text, key, got):
+    path = write_yaml(tmp_path, text)
+    with user_error(f"{path}: {key}", f"must be a mapping of settings (got {got})"):
+        apply_fsdp_file(config, path)
+
+
+@pytest.mark.parametrize("text, where", [("1: 2\nfsdp_config:\n  fsdp_version: 2\n", ""),
+                                         ("fsdp_config:\n  true: 2\n", ": fsdp_config")])
+def test_yaml_key_that_is_not_a_name(config, tmp_path, text, where):
+    path = write_yaml(tmp_path, text)
+    with user_error(f"{path}{where}", "is not a name"):
         apply_fsdp_file(config, path)
 
 
@@ -440,12 +500,11 @@ def test_parallelism_backends_are_ignored_by_name(config, tmp_path):
           parallelism_config_cp_backend: torch
           parallelism_config_sp_backend: deepspeed
     """)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(Notice) as record:
         apply_fsdp_file(config, path)
-    assert [str(w.message) for w in record] == [
-        f"{path}: parallelism_config_cp_backend is ignored: plan.cp_impl chooses the context-parallel kernels",
+    assert [str(w.message) for w in record] == [  # cp_backend torch, Accelerate's only one, asks nothing
         f"{path}: parallelism_config_sp_backend is ignored: plan.sp_size is lowered by each backend itself, not "
-        "through deepspeed"]
+        "through DeepSpeed"]
     assert config.plan.cp_size == 2 and config.plan.cp_rotate_method == "alltoall"  # cp_comm_strategy
 
 
@@ -497,3 +556,57 @@ def test_fp32_reduce_scatter_contradicting_the_plan_names_both(config, tmp_path)
     config.plan.reduce_dtype = "bfloat16"
     with user_error("plan.xla_fsdp_settings", "key 'fp32_reduce_scatter' = true contradicts plan.reduce_dtype=bfloat16"):
         xla_settings_onto_spmd_plan(config)
+
+
+# ---------------------------------------------------------------- values as Hugging Face's parsers read them
+
+@pytest.mark.parametrize("data, field, value", [
+    ({"version": "2"}, "reshard_after_forward", True),
+    ({"cpu_offload": "yes"}, "cpu_offload", True),
+    ({"cpu_offload": 1}, "cpu_offload", True),
+    ({"cpu_offload": "0"}, "cpu_offload", False),
+    ({"fsdp_offload_params": "on"}, "cpu_offload", True),
+    ({"activation_checkpointing": "true"}, "activation_checkpointing", True),
+    ({"cpu_ram_efficient_loading": "True"}, "cpu_ram_efficient_loading", True),
+    ({"reshard_after_forward": "false"}, "reshard_after_forward", False),
+    ({"reshard_after_forward": "no"}, "reshard_after_forward", False),
+    ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "100000"}, "min_num_params", 100000),
+])
+def test_values_as_hugging_face_reads_them(config, tmp_path, data, field, value):
+    apply_quietly(config, write_json(tmp_path, data))
+    assert config.plan[field] == value and type(config.plan[field]) is type(value)
+
+
+@pytest.mark.parametrize("option", ["True", "true", True])
+def test_fsdp_true_is_fsdp_with_the_defaults(config, option):
+    before = config.to_dict()
+    apply_fsdp_option(config, option)
+    assert config.to_dict() == before
+
+
+@pytest.mark.parametrize("option", ["False", False])
+def test_fsdp_false_is_ddp(config, option):
+    apply_fsdp_option(config, option)
+    assert (config.plan.fsdp_size, config.plan.dp_replicate_size) == (1, -1)
+
+
+def test_trainer_fsdp_option_list(config):
+    apply_fsdp_option(config, ["shard_grad_op", "offload"])
+    assert config.plan.reshard_after_forward is False and config.plan.cpu_offload is True
+
+
+@pytest.mark.parametrize("key, field", [("fsdp_size", "fsdp_size"), ("tp_size", "tp_size"), ("ep_size", "ep_size"),
+                                        ("dp_replicate_size", "dp_replicate_size")])
+def test_mesh_sizes_as_transformers_distributed_config_names_them(config, tmp_path, key, field):
+    """fsdp_size is read as itself, not as "size" with the fsdp_ prefix stripped."""
+    apply_quietly(config, write_json(tmp_path, {key: 2}))
+    assert config.plan[field] == 2
+    config.plan[field] = 1
+    apply_fsdp_file(config, write_yaml(tmp_path, f"fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  {key}: 2\n"))
+    assert config.plan[field] == 2
+
+
+def test_parallelism_ep_size_key(config, tmp_path):
+    apply_fsdp_file(config, write_yaml(tmp_path, "fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+                                                 "  parallelism_config_ep_size: 2\n"))
+    assert config.plan.ep_size == 2

@@ -59,7 +59,7 @@ def test_resolve_product_not_world_size(spec, world):
     ("fsdp_size", 0), ("fsdp_size", -2),
     ("cp_size", 0), ("cp_size", -1), ("tp_size", 0), ("tp_size", -1),
     ("ep_size", 0), ("ep_size", -3), ("sp_size", 0), ("sp_size", -1),
-    ("dp_replicate_size", 0), ("dp_replicate_size", -1),
+    ("dp_replicate_size", 0), ("dp_replicate_size", -2),
 ])
 def test_resolve_refuses_zero_and_negative_sizes(field, size):
     with user_error(f"plan.{field}", f"must be a positive integer (got {size})"):
@@ -494,3 +494,19 @@ def test_resolve_plan_unknown_cpu_collectives(config):
         validate.resolve_plan(config, 1)
     config.plan.cpu_collectives = "gloo"
     assert validate.resolve_plan(config, 1).cpu_collectives == "gloo"
+
+
+def test_replicas_inferred_from_the_world_when_fsdp_is_fixed():
+    """dp_replicate_size=-1 with fsdp_size=1 is DDP (NO_SHARD): every rank a replica."""
+    mesh = MeshSpec(dp_replicate_size=-1, fsdp_size=1, tp_size=2).resolve(8)
+    assert (mesh.dp_replicate_size, mesh.fsdp_size, mesh.tp_size) == (4, 1, 2)
+    assert MeshSpec(dp_replicate_size=-1, fsdp_size=2).resolve(8).dp_replicate_size == 4
+
+
+@pytest.mark.parametrize("spec, world, phrase", [
+    (MeshSpec(dp_replicate_size=-1), 4, "-1 infers the replicas from the world, which needs a fixed plan.fsdp_size"),
+    (MeshSpec(dp_replicate_size=-1, fsdp_size=3), 4, "cannot infer: world size 4 is not divisible by fsdp*cp*sp*tp = 3"),
+])
+def test_replicas_that_cannot_be_inferred(spec, world, phrase):
+    with user_error("plan.dp_replicate_size", phrase):
+        spec.resolve(world)
