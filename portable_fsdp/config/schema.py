@@ -95,6 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
     c.train.lr = 3e-3
     c.train.min_lr_ratio = 0.1
+    c.train.lr_schedule = "cosine"  # after the warm-up: cosine or linear decay to min_lr_ratio * lr, or constant
     c.train.warmup_steps = 20
     c.train.weight_decay = 0.1
     c.train.beta1 = 0.9
