@@ -73,7 +73,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batch_size = 8  # global sequences per eval step
     c.train.eval_every = 100
     c.train.eval_max_batches = 0  # 0 = the whole eval split
-    c.train.compute_metrics = ""  # "", "token_accuracy" or "package.module:function(predictions, labels) -> dict"
+    # "", "token_accuracy", "package.module:function(predictions, labels) -> dict" or Hugging Face Trainer's
+    # "package.module:function(eval_prediction) -> dict", which receives logits (training/evaluation.py)
+    c.train.compute_metrics = ""
+    # Trainer's "package.module:function(logits, labels) -> array": what such a compute_metrics receives instead
+    # of the logits, applied to each eval batch on each rank before the rows are gathered
+    c.train.preprocess_logits_for_metrics = ""
     c.train.early_stopping_patience = 0  # stop after this many evals without a better eval_loss; 0 = never
     c.train.load_best_model_at_end = False  # end with the weights of the best eval_loss (kept on disk as `best`)
     c.train.log_every = 10
