@@ -2,8 +2,8 @@
 
 What decides the numbers trained (batch, steps, learning rate and its schedule, AdamW, clipping, precision, seed)
 and when things happen (eval, save, log) is always taken from the arguments, defaults included: the run is the one
-Trainer would do. What only decides how it runs (fsdp, fsdp_config, parallelism_config, checkpointing, compile,
-trackers, the progress bar, the collective timeout) is taken when set, and leaves the recipe's choice otherwise.
+Trainer would do. What only decides how it runs (fsdp, fsdp_config, parallelism_config, gradient checkpointing,
+compile, checkpoints kept, trackers, the progress bar, the collective timeout) is taken when set, and leaves the recipe's choice otherwise.
 Any other argument that is not at its default has no equivalent here and is refused by name.
 
 Our train.batch_size is the global batch; Trainer's is per device. The data-parallel size that converts one into
@@ -44,17 +44,21 @@ def from_training_arguments(args, recipe: str | None = None, *, world_size: int 
     """The locked config of `recipe` (None = the default job) with `args`, a transformers.TrainingArguments, mapped
     onto it. `world_size`: the processes the run will have (default $WORLD_SIZE, else 1); not needed when
     args.parallelism_config sizes the mesh. A setting with no equivalent is a UserError naming it."""
+    if not dataclasses.is_dataclass(args) or not hasattr(args, "per_device_train_batch_size"):
+        raise UserError("args", f"must be a transformers.TrainingArguments (got {type(args).__name__})")
     config = load_recipe(recipe)
     with warnings.catch_warnings():  # constructing it repeats what `args` already said (deprecations, devices)
         warnings.simplefilter("ignore")
         reference = type(args)()  # the defaults, normalised by the same __post_init__ as `args`
-    changed = {f.name for f in dataclasses.fields(args)
-               if f.init and _plain(getattr(args, f.name)) != _plain(getattr(reference, f.name))}
+    changed = [f.name for f in dataclasses.fields(args)  # in the order TrainingArguments declares them
+               if f.init and _plain(getattr(args, f.name)) != _plain(getattr(reference, f.name))]
     _apply_layout(config, args, changed)
     _apply_numbers(config, args, _data_parallel_size(config, args, world_size))
     _apply_cadence(config, args)
     _apply_tools(config, args, changed)
-    for name in changed - HANDLED:
+    unmapped = [name for name in changed if name not in HANDLED]
+    if unmapped:
+        name = unmapped[0]
         raise UserError(f"TrainingArguments.{name}", (
             f"has no equivalent in portable_fsdp; leave it at its default ({_plain(getattr(reference, name))!r}) — "
             "docs/hf_compat.md lists the arguments that map"))
@@ -75,7 +79,7 @@ def _source(name: str) -> str:
 
 # ---------------------------------------------------------------- how it runs: the plan
 
-def _apply_layout(config, args, changed: set) -> None:
+def _apply_layout(config, args, changed: list) -> None:
     if isinstance(args.fsdp, (list, tuple)):  # transformers 4 kept the option words; 5 moves them to fsdp_config
         apply_fsdp_option(config, " ".join(str(_plain(word)) for word in args.fsdp))
     elif isinstance(args.fsdp, str) and args.fsdp:
@@ -164,7 +168,7 @@ def _apply_schedule(config, args, steps: int) -> None:
     if warmup:
         warnings.warn(f"TrainingArguments.warmup_steps: the warm-up reaches learning_rate one step earlier than "
                       f"Trainer's: optimizer step s (from 0) runs at learning_rate*(s+1)/{warmup}, Trainer's at "
-                      f"learning_rate*s/{warmup}", stacklevel=3)
+                      f"learning_rate*s/{warmup}", stacklevel=4)
 
 
 def _floor(args, kind: str) -> float:
@@ -223,7 +227,7 @@ def _every(args, what: str, steps: float, total: int) -> int:
 
 # ---------------------------------------------------------------- tools around the run
 
-def _apply_tools(config, args, changed: set) -> None:
+def _apply_tools(config, args, changed: list) -> None:
     if "save_total_limit" in changed:
         set_field(config, "train.keep_last_n", args.save_total_limit, _source("save_total_limit"))
     if "report_to" in changed:

@@ -129,6 +129,11 @@ def test_refusals(values, field, phrase):
         from_training_arguments(args, world_size=1)
 
 
+def test_only_training_arguments_are_taken():
+    with user_error("args", "must be a transformers.TrainingArguments (got dict)"):
+        from_training_arguments({"learning_rate": 1e-3})
+
+
 def test_world_size_must_match_the_parallelism_config():
     args = arguments(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
     with user_error("world_size", "is 8 but TrainingArguments.parallelism_config's sizes multiply to 4"):
@@ -138,3 +143,15 @@ def test_world_size_must_match_the_parallelism_config():
 def test_output_dir_is_named_as_the_workdir():
     with pytest.warns(UserWarning, match=r"pass it as pf.train\(config, workdir='runs/mine'\)"):
         from_training_arguments(arguments(output_dir="runs/mine"), world_size=1)
+
+
+@pytest.mark.parametrize("words", ["shard_grad_op offload", ["shard_grad_op", "offload"]])
+def test_fsdp_words_kept_as_transformers_4_kept_them(words):
+    args = arguments()
+    args.fsdp = words  # transformers 5 moves them into fsdp_config while constructing; 4 kept them here
+    config = convert(args, world_size=1)
+    assert (config.plan.reshard_after_forward, config.plan.cpu_offload) == (False, True)
+
+
+def test_fp16():
+    assert convert(arguments(fp16=True), world_size=1).plan.param_dtype == "float16"
