@@ -13,7 +13,8 @@
     pf.save(backend, state, "runs/mine", config, plan)
     backend.finalize(state)
 
-or the whole run, as the command runs it: `summary = pf.train(config, backend="cpu", workdir="runs/x")`.
+Or the whole run, as the command runs it: `summary = pf.train(config, backend="cpu", workdir="runs/x")`. From a
+Hugging Face Trainer's arguments: `config = pf.from_training_arguments(training_args, "llama_tiny")`.
 Imports no framework: the backend's is imported by `load_backend`.
 """
 from __future__ import annotations
@@ -25,13 +26,14 @@ from portable_fsdp import backends
 
 from portable_fsdp.checkpoint import layout as checkpointing, session as checkpoint_session
 from portable_fsdp.config.schema import apply_override, command_line_text, load_recipe
+from portable_fsdp.config.training_arguments import from_training_arguments
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
 from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.config.validate import check_backend, resolve_plan
 
-__all__ = ["get_config", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
+__all__ = ["get_config", "from_training_arguments", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
 
 # What torch's process group reads (env://), for one process when nothing (torchrun, the user) set them.
 _SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}

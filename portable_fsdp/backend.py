@@ -185,9 +185,13 @@ class Backend(Protocol):
     def eval_step(self, state: TrainState, batch, num_items_in_batch: int) -> dict:
         """{"loss_sum": Σ token losses of the global batch}; the eval layer divides once by the tokens."""
 
-    def predict_step(self, state: TrainState, batch, return_logits: bool = False) -> dict:
+    def predict_step(self, state: TrainState, batch, return_logits: bool = False, preprocess_logits=None) -> dict:
         """Full-length predictions of the global batch in token order, as numpy, on every rank:
-        {"predictions", "labels" (when the batch has them), "logits" (when asked)}."""
+        {"predictions", "labels" (when the batch has them), "logits" (when asked)}. `preprocess_logits(logits,
+        labels) -> array`, Trainer's preprocess_logits_for_metrics, takes the place of the logits: called on this
+        rank's rows (full length: gathered along the sequence first), with the backend's own arrays (torch
+        tensors, jax arrays), before the rows of the data-parallel ranks are gathered; it keeps the rows as its
+        first dimension, and the same shape on every rank."""
 
     def save_checkpoint(self, state: TrainState, directory: pathlib.Path) -> dict:
         """Write this rank's part of a checkpoint into `directory` (which exists), in the layout of

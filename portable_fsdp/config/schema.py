@@ -73,7 +73,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batch_size = 8  # global sequences per eval step
     c.train.eval_every = 100
     c.train.eval_max_batches = 0  # 0 = the whole eval split
-    c.train.compute_metrics = ""  # "", "token_accuracy" or "package.module:function(predictions, labels) -> dict"
+    # "", "token_accuracy", "package.module:function(predictions, labels) -> dict" or Hugging Face Trainer's
+    # "package.module:function(eval_prediction) -> dict", which receives logits (training/evaluation.py)
+    c.train.compute_metrics = ""
+    # Trainer's "package.module:function(logits, labels) -> array": what such a compute_metrics receives instead
+    # of the logits, applied to each eval batch on each rank before the rows are gathered
+    c.train.preprocess_logits_for_metrics = ""
     c.train.early_stopping_patience = 0  # stop after this many evals without a better eval_loss; 0 = never
     c.train.load_best_model_at_end = False  # end with the weights of the best eval_loss (kept on disk as `best`)
     c.train.log_every = 10
@@ -95,6 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
     c.train.lr = 3e-3
     c.train.min_lr_ratio = 0.1
+    c.train.lr_schedule = "cosine"  # after the warm-up: cosine or linear decay to min_lr_ratio * lr, or constant
     c.train.warmup_steps = 20
     c.train.weight_decay = 0.1
     c.train.beta1 = 0.9

@@ -11,8 +11,9 @@ from portable_fsdp.training import trackers
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config.schema import flat_fields
 from portable_fsdp.errors import UserError, notify
-from portable_fsdp.training.evaluation import resolve_metrics
+from portable_fsdp.training.evaluation import resolve_metrics, resolve_preprocess
 from portable_fsdp.mesh_fit import check_mesh_fits
+from portable_fsdp.training.schedule import SHAPES as SCHEDULE_SHAPES
 from portable_fsdp.training.sequence_split import check_divisible
 
 
@@ -115,9 +116,11 @@ def check_train_fields(config, data_parallel_size: int) -> None:
     for name in ("early_stopping_patience", "load_best_model_at_end"):
         if t[name] and not t.eval_every:
             raise UserError(f"train.{name}", "needs evaluations during training: set train.eval_every > 0")
-    resolve_metrics(t.compute_metrics)
+    resolve_preprocess(t.preprocess_logits_for_metrics, resolve_metrics(t.compute_metrics))
     trackers.resolve(t.report_to)  # a tracker that is not installed: one line before anything starts
     _check_checkpoint_fields(t)
+    if t.lr_schedule not in SCHEDULE_SHAPES:
+        raise UserError("train.lr_schedule", f"unknown value {t.lr_schedule!r}; choose one of {', '.join(SCHEDULE_SHAPES)}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
     for name in ("beta1", "beta2"):

@@ -19,7 +19,7 @@ from portable_fsdp.machine import hardware
 from portable_fsdp.training import faults
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
-from portable_fsdp.training.evaluation import evaluate, resolve_metrics
+from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
 from portable_fsdp.launch.interrupts import InterruptFlag
 from portable_fsdp.training.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
 from portable_fsdp.training.trackers import open_trackers
@@ -67,6 +67,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     info = backend.model_info(state)
     batches, evals = open_data(config, info.vocab_size, where.dp_rank, where.dp_size)
     metrics_fn = resolve_metrics(t.compute_metrics)
+    preprocess = resolve_preprocess(t.preprocess_logits_for_metrics, metrics_fn)
     manifest_info = checkpoint_session.manifest_info(config, plan, backend_name, where)
     if t.resume and checkpointing.latest(workdir):
         state = checkpoint_session.resume(backend, state, checkpointing.latest(workdir), config, backend_name)
@@ -113,7 +114,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         bookkeeping += time.perf_counter() - began - seconds
         improved = False
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            evaluated = {"step": done, **evaluate(backend, state, evals, compute_metrics=metrics_fn)}
+            evaluated = {"step": done, **evaluate(backend, state, evals, compute_metrics=metrics_fn,
+                                                     preprocess_logits=preprocess)}
             log.write(evaluated)
             improved = best.update(evaluated["eval_loss"], done)
             if t.early_stopping_patience and best.evals_without_improvement >= t.early_stopping_patience:

@@ -236,3 +236,30 @@ def test_a_load_error_of_an_intact_checkpoint_is_raised_as_it_is(tmp_path):
     stopped_at_4(tmp_path)
     with pytest.raises(MemoryError, match="no room for the optimizer state"):
         run(tmp_path, LoadingBackend(MemoryError("no room for the optimizer state")), steps=10, eval_every=5, resume=True)
+
+
+class LogitsBackend(ScriptedBackend):
+    """Gives logits to a compute_metrics of Hugging Face Trainer's convention; records the preprocess function."""
+
+    def __init__(self, eval_losses):
+        super().__init__(eval_losses)
+        self.preprocess = []
+
+    def predict_step(self, state, batch, return_logits=False, preprocess_logits=None):
+        import numpy as np
+
+        self.preprocess.append(preprocess_logits)
+        logits = np.zeros((*batch.input_ids.shape, 4), np.float32)
+        out = preprocess_logits(logits, batch.labels) if preprocess_logits else logits
+        return {"predictions": logits.argmax(-1), "labels": batch.labels, "logits": out}
+
+
+def test_trainer_compute_metrics_gets_the_configured_preprocess(tmp_path):
+    from tests.unit import test_eval_prediction as functions
+
+    backend = LogitsBackend([1.0, 1.0])
+    run(tmp_path, backend, steps=4, eval_every=2,
+        compute_metrics="tests.unit.test_eval_prediction:keep_eval_prediction",
+        preprocess_logits_for_metrics="tests.unit.test_eval_prediction:argmax")
+    assert [e["eval_rows"] for e in evals(tmp_path)] == [1, 1]
+    assert backend.preprocess == [functions.argmax] * 2

@@ -438,6 +438,12 @@ def test_min_lr_ratio_range(config, ratio):
         validate.check_train_fields(config, 1)
 
 
+def test_unknown_lr_schedule(config):
+    config.train.lr_schedule = "polynomial"
+    with user_error("train.lr_schedule", "unknown value 'polynomial'; choose one of cosine, linear, constant"):
+        validate.check_train_fields(config, 1)
+
+
 @pytest.mark.parametrize("ratio", [0.0, 1.0])
 def test_min_lr_ratio_bounds_allowed(config, ratio):
     config.train.min_lr_ratio = ratio

@@ -54,6 +54,24 @@ def test_schedule_is_monotone():
     assert all(a >= b for a, b in zip(values[10:], values[11:]))
 
 
+@pytest.mark.parametrize("step, remaining", [(10, 1.0), (35, 0.75), (60, 0.5), (110, 0.0), (500, 0.0)])
+def test_linear_decay(step, remaining):
+    lr = schedule.learning_rate(step, lr=LR, warmup_steps=10, total_steps=110, min_lr_ratio=0.1, shape="linear")
+    assert lr == pytest.approx(LR * (0.1 + 0.9 * remaining))
+
+
+def test_constant_after_warmup():
+    rates = [schedule.learning_rate(s, lr=LR, warmup_steps=4, total_steps=20, min_lr_ratio=0.1, shape="constant")
+             for s in (0, 3, 4, 19, 30)]
+    assert rates == pytest.approx([LR / 4, LR, LR, LR, LR])
+
+
+def test_for_config_reads_the_shape():
+    train = base_config().train
+    train.lr, train.warmup_steps, train.steps, train.min_lr_ratio, train.lr_schedule = 2.0, 0, 10, 0.0, "linear"
+    assert schedule.for_config(train)(5) == pytest.approx(1.0)
+
+
 def test_for_config_reads_train_fields():
     train = base_config().train
     train.lr, train.warmup_steps, train.steps, train.min_lr_ratio = 2.0, 4, 14, 0.5

@@ -140,6 +140,12 @@ def test_eval_loss_is_the_same_with_sequences_split(run_on):
         results["fsdp4"]["initial_eval"]["eval_loss"], abs=1e-6)
 
 
+def test_preprocess_logits_for_metrics_gets_whole_rows_with_sequences_split(run_on):
+    """Hugging Face Trainer's preprocess_logits_for_metrics, run by predict_step on the gathered xla logits."""
+    predictions = run_on(4)["fsdp2_cp2_allgather"]["predictions"]
+    assert predictions["shape"] == [8, 64] and predictions["preprocessed_are_argmax"]
+
+
 @pytest.mark.parametrize("devices,name", CASES, ids=CASE_IDS)
 def test_no_recompilation_after_warmup(run_on, devices, name):
     compiles = run_on(devices)[name]["compiles"][WARMUP_STEPS - 1:]

@@ -87,13 +87,16 @@ def plain_torch_eval(config, evals: list) -> tuple:
 
 
 def prediction_check(backend, state, batch, plain_logits) -> dict:
-    """predict_step's logits, predictions and labels against the plain-torch model's and the batch's own."""
+    """predict_step's logits, predictions and labels against the plain-torch model's and the batch's own; what
+    Trainer's preprocess_logits_for_metrics, handed xla tensors, makes of them."""
     import numpy as np
 
     out = backend.predict_step(state, batch, return_logits=True)
+    preprocessed = backend.predict_step(state, batch, preprocess_logits=lambda logits, labels: logits.argmax(dim=-1))
     return {"shape": list(out["predictions"].shape), "labels_equal": bool(np.array_equal(out["labels"], batch.labels)),
             "max_logit_difference": float(np.abs(out["logits"] - plain_logits.numpy()).max()),
-            "predictions_are_argmax": bool(np.array_equal(out["predictions"], out["logits"].argmax(-1)))}
+            "predictions_are_argmax": bool(np.array_equal(out["predictions"], out["logits"].argmax(-1))),
+            "preprocessed_are_argmax": bool(np.array_equal(preprocessed["logits"], out["predictions"]))}
 
 
 def forward_annotations(state, batch) -> list:

@@ -124,10 +124,15 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
     return {"loss_sum": float(state.ctx.programs.eval_loss_sum(state.params, *arrays))}
 
 
-def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
-    """Argmax predictions of the global batch (and its labels), full length, in order, as numpy."""
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False, preprocess_logits=None) -> dict:
+    """Argmax predictions of the global batch (and its labels), full length, in order, as numpy
+    (`preprocess_logits`: the contract's, on this process's rows as jax arrays)."""
     input_ids, positions = _on_devices([batch.input_ids, _positions(batch)], state.ctx.mesh, 0)
-    out = state.ctx.programs.predict(state.params, input_ids, positions, return_logits)
+    out = state.ctx.programs.predict(state.params, input_ids, positions,
+                                     return_logits or preprocess_logits is not None)
+    if preprocess_logits is not None:
+        labels = None if batch.labels is None else _on_devices([batch.labels], state.ctx.mesh, 0)[0]
+        out["logits"] = preprocess_logits(out["logits"], labels)
     several = processes.several()
     out = processes.gather(out) if several else {k: np.asarray(v) for k, v in out.items()}
     out["predictions"] = out["predictions"].astype(np.int64)

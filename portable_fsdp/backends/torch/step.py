@@ -289,14 +289,15 @@ def _reshard(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False, preprocess_logits=None) -> dict:
     """Predictions of the global batch, full length, in the original token order, on every rank.
 
     Logits stay sharded along the sequence during the forward; only here are they gathered over the cp|sp
     group (and the load-balanced split undone), then over the data-parallel ranks (and over the vocabulary
     when tensor parallelism leaves them split there). `return_logits` gathers the full
-    [global batch, seq_len, vocab] logits on every rank: that much memory per rank. Batches without labels
-    take the same path."""
+    [global batch, seq_len, vocab] logits on every rank: that much memory per rank; `preprocess_logits` (the
+    contract's) shrinks each rank's full-length rows before that gather. Batches without labels take the same
+    path."""
     ctx = state.ctx
     state.model.eval()
     with sharded_batch(ctx, batch) as (input_ids, _, positions), _mixed_precision(ctx, state.model):
@@ -306,15 +307,18 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
         logits = logits.float()
     _reshard(state.model)
     outputs = {"predictions": logits.argmax(-1)}
-    if return_logits:
+    if return_logits or preprocess_logits is not None:
         outputs["logits"] = logits
     if ctx.cp is not None:
         outputs = {k: _unshard_sequence(v, ctx.cp.group, ctx.cp.cp_size, ctx.cp.load_balance)
                    for k, v in outputs.items()}
     if ctx.sp is not None:
         outputs = {k: _unshard_sequence(v, ctx.sp.group, ctx.sp.sp_size, False) for k, v in outputs.items()}
-    if batch.labels is not None:
-        outputs["labels"] = torch.from_numpy(batch.labels).to(ctx.runtime.device)
+    labels = None if batch.labels is None else torch.from_numpy(batch.labels).to(ctx.runtime.device)
+    if preprocess_logits is not None:
+        outputs["logits"] = preprocess_logits(outputs["logits"], labels)
+    if labels is not None:
+        outputs["labels"] = labels
     return {k: _gather_data_parallel(v, ctx).cpu().numpy() for k, v in outputs.items()}
 
 

@@ -164,8 +164,9 @@ def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
 
 
 @torch.no_grad()
-def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -> dict:
-    """Predictions of the global batch, full length, in order, on every process."""
+def predict_step(state: TrainState, batch: Batch, return_logits: bool = False, preprocess_logits=None) -> dict:
+    """Predictions of the global batch, full length, in order, on every process (`preprocess_logits`: the
+    contract's, on this process's rows as xla tensors)."""
     ctx = state.ctx
     state.model.eval()
     input_ids, labels, positions = _to_device(ctx, batch)
@@ -174,6 +175,8 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False) -
     outputs = {"predictions": logits.argmax(-1)}
     if return_logits:
         outputs["logits"] = logits
+    if preprocess_logits is not None:
+        outputs["logits"] = preprocess_logits(logits, labels)
     if labels is not None:
         outputs["labels"] = labels
     return {k: rt.gather_rows(ctx.runtime, v) for k, v in outputs.items()}
