@@ -5,9 +5,10 @@ ep ranks (and sharded again only over the ranks holding the same experts), each 
 The router's load-balancing loss (output_router_logits, weight 0.1 so that it shapes every update; averaged per
 rank instead it moves the losses by ~2e-3) is on unless a variant's model says otherwise.
 
-The default suite runs ep2 on 2 ranks; `slow` runs the rest: without the router loss, ep inside a larger fsdp,
-ep = fsdp = 4, with cp, sp, tp and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient
-accumulation, bf16, and Qwen3-MoE."""
+The default suite runs ep2 and fsdp1_tp2_ep2 (the ep ranks taken from fsdp × tp) on 2 ranks; `slow` runs the rest:
+without the router loss, ep inside a larger fsdp, ep = fsdp = 4, with cp, sp, tp (ep = tp inside fsdp 2, and ep 4
+= fsdp 2 × tp 2) and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient accumulation, bf16, and
+Qwen3-MoE."""
 import json
 import os
 
@@ -30,7 +31,8 @@ ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 MODELS = {"mixtral": ("mixtral", {}), "mixtral_router": ("mixtral", ROUTER),
           "qwen3_moe_router": ("qwen3_moe", dict(ROUTER, num_experts=4, num_experts_per_tok=2, head_dim=16,
                                                  moe_intermediate_size=48))}
-SLOW_VARIANTS = [name for name in VARIANTS if name != "ep2"]
+FAST_VARIANTS = ["ep2", "fsdp1_tp2_ep2"]
+SLOW_VARIANTS = [name for name in VARIANTS if name not in FAST_VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +81,10 @@ def single_process_eval_loss(config) -> float:
 
 
 def expected_local_fraction(name: str) -> float:
-    """Each expert element lives on one rank of ep × the ranks holding the same experts (efsdp × cp|sp): the
-    world but its tp ranks and HSDP replicas, which hold copies."""
+    """Each expert element lives on one rank of ep (tp ranks included) × the ranks holding the same experts
+    (efsdp × cp|sp): the world but its HSDP replicas, which hold copies."""
     overrides, world = VARIANTS[name].overrides, VARIANTS[name].world
-    copies = int(overrides.get("plan.tp_size", 1)) * int(overrides.get("plan.dp_replicate_size", 1))
-    return copies / world
+    return int(overrides.get("plan.dp_replicate_size", 1)) / world
 
 
 def check(models, name: str, result: dict) -> None:
@@ -99,10 +100,18 @@ def check(models, name: str, result: dict) -> None:
         assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
 
 
-def test_ep2_trains_like_one_process(tmp_path, models):
-    """ep = fsdp = 2: each rank holds 2 of the 4 experts; tokens cross to the other rank and back, and the
-    router's load-balancing loss counts the choices of both ranks' tokens."""
-    check(models, "ep2", run_variants(tmp_path, models, ["ep2"])["ep2"])
+@pytest.fixture(scope="module")
+def fast_results(tmp_path_factory, models):
+    return run_variants(tmp_path_factory.mktemp("ep_fast"), models, FAST_VARIANTS)
+
+
+@pytest.mark.parametrize("name", FAST_VARIANTS)
+def test_expert_parallel_trains_like_one_process(fast_results, models, name):
+    """ep2: ep = fsdp = 2, each rank holds 2 of the 4 experts; tokens cross to the other rank and back, and the
+    router's load-balancing loss counts the choices of both ranks' tokens. fsdp1_tp2_ep2: the two ranks are one
+    tp group sharing its tokens, the experts split over it; each rank sends its half of the tokens, so every
+    token reaches its experts once and their gradients count it once."""
+    check(models, name, fast_results[name])
 
 
 @pytest.fixture(scope="module")
