@@ -72,6 +72,7 @@ VARIANTS = {
     "fsdp2_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}, world=4),
     "fsdp2_tp2_ep4": Variant({"plan.ep_size": "4", "plan.tp_size": "2"}, world=4),
     "qwen3_moe_fsdp2_tp2_ep4": Variant({"plan.ep_size": "4", "plan.tp_size": "2"}, world=4, model="qwen3_moe_router"),
+    "hsdp2_tp2_ep2": Variant({**EP2, "plan.tp_size": "2", "plan.dp_replicate_size": "2"}, world=4),
 }
 
 

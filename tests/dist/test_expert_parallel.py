@@ -152,3 +152,51 @@ def test_experts_in_a_layout_the_lowering_does_not_split_are_refused():
     with pytest.raises(UserError, match="GptOssExperts stores its experts in a layout expert parallelism does not "
                                         "split yet"):
         apply_expert_parallel(gpt_oss, ep_mesh=None)
+
+
+def expert_groups(spec, rank: int) -> tuple:
+    """(ep group, expert FSDP group) of `rank`, global ranks in mesh order, built as `rank` of a world of fake
+    ranks in this one process (torch's fake process group builds meshes, sends nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import _mesh_resources
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from portable_fsdp.backends.torch.mesh import expert_meshes
+
+    # torch caches a flattened mesh per mesh of equal ranks and names, whatever this process's rank: a process
+    # that is every rank in turn must forget the last one's
+    _mesh_resources.root_to_flatten_mapping.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        ep, expert_dp = expert_meshes(spec, "cpu")
+        return ep.mesh.flatten().tolist(), expert_dp.mesh.flatten().tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [dict(fsdp_size=2, sp_size=2, tp_size=2, ep_size=4),
+                                   dict(dp_replicate_size=2, fsdp_size=2, tp_size=2, ep_size=2),
+                                   dict(fsdp_size=4, tp_size=2, ep_size=4), dict(fsdp_size=8, ep_size=4)])
+def test_an_ep_group_is_part_of_the_fsdp_ranks_times_their_tp_ranks(sizes):
+    """Hugging Face's layout: ep rank = (fsdp rank mod ep/tp) × tp + tp rank, over ranks of the same replica,
+    outer fsdp part and cp|sp coordinate (sp lies between fsdp and tp in rank order); the experts' FSDP mesh is
+    the ranks of the same ep rank: the outer fsdp part × cp|sp (× the replicas)."""
+    from portable_fsdp.plan import MeshSpec
+
+    spec = MeshSpec(**sizes).resolve(8)
+    part = spec.ep_fsdp_size
+
+    def outside_ep(rank):
+        c = spec.coordinates(rank)
+        return c["dp_replicate"], c["fsdp"] // part, c["sp"]
+
+    def ep_rank(rank):
+        c = spec.coordinates(rank)
+        return c["fsdp"] % part * spec.tp_size + c["tp"]
+
+    for rank in range(8):
+        ep, expert_dp = expert_groups(spec, rank)
+        assert [ep_rank(r) for r in ep] == list(range(spec.ep_size))
+        assert rank in ep and {outside_ep(r) for r in ep} == {outside_ep(rank)}
+        assert rank in expert_dp and {ep_rank(r) for r in expert_dp} == {ep_rank(rank)}
+        assert len(expert_dp) == spec.dp_replicate_size * spec.expert_fsdp_size * spec.sequence_size
