@@ -99,3 +99,11 @@ def test_ep_on_a_dense_model_is_refused(capsys, tmp_path, tmp_path_factory):
     assert refused(capsys, tmp_path, model, 2, {"plan.ep_size": 2}) == (
         "error: plan.ep_size: 2 needs a mixture-of-experts model; LlamaForCausalLM is dense (no experts to split): "
         "set plan.ep_size=1")
+
+
+def test_ep_that_leaves_out_tp_ranks_is_refused(capsys, tmp_path, tmp_path_factory):
+    """The ep ranks are taken from fsdp × tp, every tp rank included: with tp 2, ep 3 cannot be laid out."""
+    model = families.saved(tmp_path_factory, "mixtral")
+    assert refused(capsys, tmp_path, model, 4, {"plan.ep_size": 3, "plan.tp_size": 2}) == (
+        "error: plan.ep_size: 3 is not a multiple of tp_size=2: the experts are split over ep ranks taken from "
+        "fsdp × tp, every tp rank included; use e.g. plan.ep_size=2")
