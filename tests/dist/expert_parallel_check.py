@@ -68,6 +68,10 @@ VARIANTS = {
     # each tp rank dispatching its half of the tokens its tp group shares. ep = tp: the experts split over the
     # tp pair (fsdp 1, or fsdp 2 with each expert sharded again over the 2 fsdp ranks); ep 4 = fsdp 2 × tp 2
     "fsdp1_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}),
+    "fsdp1_tp2_ep2_checkpointing": Variant({**EP2, "plan.tp_size": "2", "plan.activation_checkpointing": "true"}),
+    "fsdp1_tp2_ep2_bf16": Variant({**EP2, "plan.tp_size": "2", "plan.param_dtype": "bfloat16"}),
+    # 3 rows of 63 tokens: the tp pair's slices are 95 and 94 tokens (gathered padded)
+    "fsdp1_tp2_ep2_uneven": Variant({**EP2, "plan.tp_size": "2", "train.batch_size": "3", "data.seq_len": "63"}),
     "qwen3_moe_fsdp1_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}, model="qwen3_moe_router"),
     "fsdp2_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}, world=4),
     "fsdp2_tp2_ep4": Variant({"plan.ep_size": "4", "plan.tp_size": "2"}, world=4),

@@ -6,8 +6,9 @@ The router's load-balancing loss (output_router_logits, weight 0.1 so that it sh
 rank instead it moves the losses by ~2e-3) is on unless a variant's model says otherwise.
 
 The default suite runs ep2 and fsdp1_tp2_ep2 (the ep ranks taken from fsdp × tp) on 2 ranks; `slow` runs the rest:
-without the router loss, ep inside a larger fsdp, ep = fsdp = 4, with cp, sp, tp (ep = tp inside fsdp 2, and ep 4
-= fsdp 2 × tp 2) and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient accumulation, bf16, and
+without the router loss, ep inside a larger fsdp, ep = fsdp = 4, with cp, sp, tp (ep = tp inside fsdp 2, ep 4 =
+fsdp 2 × tp 2, HSDP × tp; under tp also checkpointing, bf16 and an odd token count that the tp pair slices
+unevenly) and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient accumulation, bf16, and
 Qwen3-MoE."""
 import json
 import os
