@@ -30,7 +30,8 @@ def hf_config(family: str):
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                                     eos_token_id=None)
     extra = {"qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=32),
-             "gemma": dict(head_dim=16), "mixtral": dict(MOE, sliding_window=None), "qwen3_moe": QWEN3_MOE}.get(family, {})
+             "gemma": dict(head_dim=16), "mixtral": dict(MOE, sliding_window=None),
+             "qwen3_moe": QWEN3_MOE}.get(family, {})
     return AutoConfig.for_model(family, **SHAPE, **extra)
 
 

@@ -27,7 +27,8 @@ def test_family_trains_like_plain_torch_on_xla(family, tmp_path, tmp_path_factor
 
 
 @pytest.mark.parametrize("family,plan,devices",
-                         [pytest.param(*mesh, marks=() if mesh in FAST_MESHES else pytest.mark.slow) for mesh in MESHES],
+                         [pytest.param(*mesh, marks=() if mesh in FAST_MESHES else pytest.mark.slow)
+                          for mesh in MESHES],
                          ids=[f"{f} {' '.join(f'{k[5:]}={v}' for k, v in p.items())} on {d}" for f, p, d in MESHES])
 def test_family_trains_like_plain_torch_on_a_mesh(family, plan, devices, tmp_path, tmp_path_factory):
     model = families.saved(tmp_path_factory, family)

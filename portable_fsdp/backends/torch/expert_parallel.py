@@ -22,7 +22,8 @@ are autograd functions: backward sends each gradient back along its pair's route
 
 `shard_experts` then hands each rank's experts to FSDP over `expert_dp`, the ranks that hold the same experts
 (the fsdp ranks outside the ep group, × cp|sp; replicated over dp_replicate under HSDP), never over the ep group
-(nor its tp ranks) again; the rest of each layer is sharded over every fsdp rank as usual (portable_fsdp/backends/torch/parallelize.py).
+(nor its tp ranks) again; the rest of each layer is sharded over every fsdp rank as usual
+(portable_fsdp/backends/torch/parallelize.py).
 """
 from __future__ import annotations
 
@@ -208,9 +209,10 @@ def shard_experts(experts: list, fsdp_kwargs: dict, host_collectives: bool) -> N
     larger mesh (parallelize.sum_gradients: every unit sums, none divides, the loss carries 1 / global tokens).
     Nothing is scaled per unit, so the expert group's size never enters (Hugging Face, which averages
     gradients, divides the expert units' by dp_size instead of their mesh's size: transformers
-    distributed/fsdp.py, apply_fully_sharded_data_parallelism). Router weights stay in their dtype (float32) through the experts' forward, as without
-    expert parallelism, where the experts are no FSDP unit of their own. `host_collectives`: CPU ranks gather
-    and reduce through shared memory (plan.cpu_collectives=auto), on a one-dimensional expert mesh."""
+    distributed/fsdp.py, apply_fully_sharded_data_parallelism). Router weights stay in their dtype (float32)
+    through the experts' forward, as without expert parallelism, where the experts are no FSDP unit of their
+    own. `host_collectives`: CPU ranks gather and reduce through shared memory (plan.cpu_collectives=auto), on a
+    one-dimensional expert mesh."""
     mesh = fsdp_kwargs["mesh"]
     policy = dataclasses.replace(fsdp_kwargs["mp_policy"], cast_forward_inputs=False)
     for module in experts:

@@ -101,9 +101,9 @@ def expert_meshes(spec: MeshSpec, device_type: str) -> tuple:
     initialize_distributed_mesh: efsdp × ep over the ranks of fsdp × tp). FSDP2 composes a weight's ep sharding
     with its own only over a root mesh where the expert-shard dimensions come before ep, in order; in the
     world's order (efsdp, ep part, cp|sp, tp) cp|sp lies inside the ep group."""
-    sizes = {"dp_replicate": spec.dp_replicate_size, "efsdp": spec.expert_fsdp_size, "ep_fsdp": spec.ep_fsdp_size,
-             "sequence": spec.sequence_size, "tp": spec.tp_size}
-    ranks = torch.arange(math.prod(sizes.values())).view(*sizes.values()).permute(0, 1, 3, 2, 4)
+    # the world in rank order, fsdp split in two: (dp_replicate, efsdp, ep part, sequence, tp)
+    world = (spec.dp_replicate_size, spec.expert_fsdp_size, spec.ep_fsdp_size, spec.sequence_size, spec.tp_size)
+    ranks = torch.arange(math.prod(world)).view(*world).permute(0, 1, 3, 2, 4)  # the ep part beside tp: ep = both
     sizes = {"dp_replicate": spec.dp_replicate_size, "efsdp": spec.expert_fsdp_size,
              "sequence": spec.sequence_size, "ep": spec.ep_size}
     dims = [(name, size) for name, size in sizes.items() if size > 1 or name in ("efsdp", "ep")]

@@ -3,8 +3,8 @@ this module imports no torch_xla, so the rules are unit-tested in milliseconds).
 
 The mesh has an axis for every axis of the plan, outermost first (portable_fsdp.placement.MESH_AXES):
 dp_replicate, fsdp, ep, cp, sp, tp, the plan's fsdp ranks being the two axes `fsdp` × `ep` (SPMD FSDPv2 wants
-an axis named fsdp: it is the outer part; `ep` is the part of fsdp an ep group spans, ep_size / tp_size). An axis of size 1 stays in the mesh: a spec naming it splits
-nothing, so the same specs serve every plan.
+an axis named fsdp: it is the outer part; `ep` is the part of fsdp an ep group spans, ep_size / tp_size). An
+axis of size 1 stays in the mesh: a spec naming it splits nothing, so the same specs serve every plan.
 
 - A batch [rows, positions] has its rows over dp_replicate × fsdp × ep (the data-parallel ranks) and its
   positions over cp or sp (whichever splits sequences); every activation between layers likewise.
@@ -64,8 +64,8 @@ def head_sharded_spec(ndim: int, head_dim: int) -> tuple:
 
 def parameter_spec(shape: tuple, sizes: dict, tp_dim: int | None = None, expert: bool = False) -> tuple:
     """The partition spec of a parameter of `shape` on a mesh of `sizes` ({axis: size}): dimension 0 over ep × tp
-    (EXPERT_AXES) for an expert weight, `tp_dim` over tp, and the rest of PARAMETER_AXES on the dimension placement.fsdp_dim picks
-    (none: the parameter is whole over them)."""
+    (EXPERT_AXES) for an expert weight, `tp_dim` over tp, and the rest of PARAMETER_AXES on the dimension
+    placement.fsdp_dim picks (none: the parameter is whole over them)."""
     axes = [[] for _ in shape]
     rest = list(PARAMETER_AXES)
     if expert:
