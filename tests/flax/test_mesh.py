@@ -134,14 +134,18 @@ def test_ulysses_attention_exchanges_sequence_for_heads_with_all_to_alls():
 
 @pytest.mark.slow
 @needs_devices(2)
-@pytest.mark.parametrize("plan, expert_axes", [({"plan.ep_size": 2}, "ep"),
-                                               ({"plan.ep_size": 2, "plan.tp_size": 2}, "tp")])
-def test_expert_parallelism_moves_tokens_not_expert_weights(tmp_path_factory, plan, expert_axes):
-    """ep 2 out of fsdp 2, or ep 2 = tp 2 (fsdp 1): either way the tokens travel to the experts."""
+@pytest.mark.parametrize("plan, expert_axes, exchange", [
+    ({"plan.ep_size": 2}, "ep", ("all-gather", "bsh,ephi->ebspi")),  # fsdp ranks hold different tokens: moved
+    ({"plan.ep_size": 2, "plan.tp_size": 2}, "tp", ("all-reduce", "ebsh,bse->bsh"))])  # tp ranks share theirs
+def test_expert_parallelism_moves_tokens_not_expert_weights(tmp_path_factory, plan, expert_axes, exchange):
+    """ep 2 out of fsdp 2: the tokens travel to the experts. ep 2 = tp 2 (fsdp 1): every device holds every token
+    already; each runs its experts on them and the experts' outputs are summed over tp. Never are the expert
+    weights gathered."""
     model = families.saved(tmp_path_factory, "mixtral")
     state = init_state(make_config({**families.overrides(model), **plan}), 2)
     assert state.params["model.layers.0.mlp.experts.down_proj"].sharding.spec[0] == expert_axes
     hlo = compiled_train_step(state)
     gathered = [shape for shape, _ in collectives(hlo, "all-gather")]
     assert not [s for s in gathered if s.startswith(("f32[4,2,64,160]", "f32[4,160,64]"))], "expert weights gathered"
-    assert [name for _, name in collectives(hlo, "all-gather") if "bsh,ephi->ebspi" in name], "tokens not moved"
+    kind, operation = exchange
+    assert [name for _, name in collectives(hlo, kind) if operation in name], f"no {kind} of {operation}"
