@@ -1,7 +1,7 @@
 """Expert parallelism from the command line: checkpoints written under plan.ep_size (ep = fsdp 2, or ep = tp 2)
-hold the full expert weights (a FULL one resumes without ep, a SHARDED one at the same mesh bit-exactly), a FULL one written by --backend xla
-resumes under ep, and a plan the model cannot split is refused at start-up with one `error:` line (exit 2,
-nothing written). Training parity under ep, mesh by mesh: tests/dist/test_expert_parallel.py."""
+hold the full expert weights (a FULL one resumes without ep, a SHARDED one at the same mesh bit-exactly), a FULL
+one written by --backend xla resumes under ep, and a plan the model cannot split is refused at start-up with one
+`error:` line (exit 2, nothing written). Training parity under ep, mesh by mesh: tests/dist/test_expert_parallel.py."""
 import pytest
 
 from tests.conftest import cli, read_metrics
