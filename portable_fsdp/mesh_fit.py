@@ -2,8 +2,6 @@
 config read on the meta device): each misfit is one UserError naming the field and a size that works."""
 from __future__ import annotations
 
-import math
-
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.errors import UserError
 from portable_fsdp.placement import TP_STYLES
@@ -40,11 +38,10 @@ def check_mesh_fits(plan: ShardingPlan, model: ModelInfo) -> None:
                 f"{mesh.ep_size} needs a mixture-of-experts model; {model.root_class or 'this model'} is dense "
                 "(no experts to split): set plan.ep_size=1"))
         if model.num_experts % mesh.ep_size:
-            # a size that splits the experts and, as ep ranks are fsdp ranks, divides fsdp_size too
-            working = largest_divisor(math.gcd(model.num_experts, mesh.fsdp_size), mesh.ep_size)
+            # a size that splits the experts and that the mesh takes (a multiple of tp dividing fsdp × tp)
             raise UserError("plan.ep_size", (
                 f"{model.num_experts} experts per layer do not split over {mesh.ep_size} ranks; use e.g. "
-                f"plan.ep_size={working}"))
+                f"plan.ep_size={mesh.suggested_ep_size(model.num_experts)}"))
 
 
 def _check_heads(mesh: MeshSpec, model: ModelInfo, field: str, size: int, why: str) -> None:

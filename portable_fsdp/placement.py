@@ -2,7 +2,9 @@
 flax lowerings ask here, so one plan places each parameter alike on all three).
 
 - The mesh axes, outermost first as portable_fsdp.plan.MeshSpec orders ranks: dp_replicate, fsdp, ep, cp, sp,
-  tp. `ep` is the inner part of the plan's fsdp ranks (fsdp_size = mesh fsdp × ep).
+  tp. `ep` is the inner part of the plan's fsdp ranks that an ep group spans (fsdp_size = mesh fsdp × ep); a MoE
+  layer's experts are split over ep × tp (EXPERT_AXES: plan.ep_size ranks, taken from fsdp × tp as Hugging
+  Face takes them).
 - The tensor-parallel plan (transformers' base_model_tp_plan notation: `layers.*.self_attn.q_proj: colwise`):
   which parameters it splits over tp, and on which dimension.
 - FSDP's dimension under SPMD (xla and flax): the shard axes go on a parameter's largest free dimension they
@@ -21,12 +23,19 @@ MESH_AXES = (DP_REPLICATE, FSDP, EP, CP, SP, TP)  # outermost first: tp devices 
 DATA_AXES = (DP_REPLICATE, FSDP, EP)  # devices that read different rows of the batch
 SEQUENCE_AXES = (CP, SP)  # devices that read different tokens of a row (one of the two is 1)
 SHARD_AXES = (FSDP, EP, CP, SP)  # what FSDP splits parameters over (not dp_replicate: HSDP replicas)
+EXPERT_AXES = (EP, TP)  # what a MoE layer's expert dimension is split over under expert parallelism
 
 
 def axis_sizes(mesh: MeshSpec) -> dict:
     """{axis: size} of MESH_AXES, in order, for a resolved MeshSpec."""
-    return {DP_REPLICATE: mesh.dp_replicate_size, FSDP: mesh.fsdp_size // mesh.ep_size, EP: mesh.ep_size,
+    return {DP_REPLICATE: mesh.dp_replicate_size, FSDP: mesh.expert_fsdp_size, EP: mesh.ep_fsdp_size,
             CP: mesh.cp_size, SP: mesh.sp_size, TP: mesh.tp_size}
+
+
+def expert_axes(mesh: MeshSpec) -> tuple:
+    """The axes a MoE layer's experts are split over: EXPERT_AXES under expert parallelism (ep × tp = ep_size
+    ranks), none without it (the experts whole on every rank, tp ranks included)."""
+    return EXPERT_AXES if mesh.ep_size > 1 else ()
 
 
 # Styles a tensor-parallel plan may name and what every lowering does with them: split a layer's outputs
@@ -35,8 +44,9 @@ def axis_sizes(mesh: MeshSpec) -> dict:
 TP_STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce", "moe_tp_experts")
 SPLIT_STYLES = ("colwise", "rowwise")
 # A MoE layer's experts (the module an expert style names, and every tensor in it; transformers' plans give
-# packed_colwise to fused expert tensors only) stay whole on every tp rank: expert parallelism (plan.ep_size)
-# splits experts, tensor parallelism attention and dense MLPs — the torch lowering has no split experts.
+# packed_colwise to fused expert tensors only) are never cut by tensor parallelism: expert parallelism
+# (plan.ep_size) splits them by expert over ep × tp, tensor parallelism attention and dense MLPs; without
+# expert parallelism they stay whole on every tp rank.
 EXPERT_STYLES = ("packed_colwise", "moe_tp_experts")
 
 

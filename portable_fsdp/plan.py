@@ -47,8 +47,10 @@ def setting(default, doc: str, *, hf: tuple = (), accelerate: tuple = (), choice
 class MeshSpec:
     """Sizes of the device-mesh axes. The world is dp_replicate × fsdp × cp|sp × tp, outermost first (tp ranks
     are neighbours, as they talk most); `fsdp_size=-1` takes whatever the others leave. `ep` is no axis of its
-    own: the experts of a MoE layer are split over ep ranks carved out of the fsdp ranks (as torchtitan and
-    Accelerate do), the rest of the model is sharded over all of fsdp."""
+    own: as Hugging Face defines it, the experts of a MoE layer are split over ep ranks taken from fsdp × tp —
+    ep_size / tp_size of the fsdp ranks (`ep_fsdp_size`) times every tp rank — so ep_size is a multiple of
+    tp_size that divides fsdp_size × tp_size; the rest of the model is sharded over fsdp and split over tp as
+    without ep. With tp_size 1 the ep ranks are fsdp ranks alone."""
 
     dp_replicate_size: int = setting(1, "HSDP: replicas of the sharded model; gradients are reduce-scattered in a "
                                         "replica and all-reduced across replicas; -1 = what the other axes leave "
@@ -59,8 +61,9 @@ class MeshSpec:
     cp_size: int = setting(1, "context parallelism: ranks one sequence is split over", accelerate=("cp_size",))
     tp_size: int = setting(1, "tensor parallelism: ranks one layer's weights are split over", hf=("tp_size",),
                            accelerate=("tp_size",))
-    ep_size: int = setting(1, "expert parallelism: ranks (out of the fsdp ranks) the experts of a MoE layer are "
-                              "split over", hf=("ep_size",), accelerate=("ep_size",))
+    ep_size: int = setting(1, "expert parallelism: ranks the experts of a MoE layer are split over, taken from "
+                              "fsdp × tp (a multiple of tp_size that divides fsdp_size × tp_size)", hf=("ep_size",),
+                           accelerate=("ep_size",))
     sp_size: int = setting(1, "Ulysses sequence parallelism: ranks one sequence is split over, heads exchanged "
                               "around attention", accelerate=("sp_size",))
 
@@ -99,12 +102,45 @@ class MeshSpec:
                 f"mesh dp_replicate*fsdp*cp*sp*tp = {self.dp_replicate_size}*{fsdp}*{self.cp_size}*{self.sp_size}"
                 f"*{self.tp_size} = {fsdp * others} but the world size is {world_size}; set plan.fsdp_size=-1 to "
                 "infer it or change --nproc"))
-        if fsdp % self.ep_size:
-            working = max(d for d in range(1, fsdp + 1) if fsdp % d == 0 and d <= self.ep_size)
+        resolved = dataclasses.replace(self, fsdp_size=fsdp)
+        resolved.check_ep()
+        return resolved
+
+    def ep_sizes(self, num_experts: int = 0) -> list:
+        """The ep sizes above 1 this (resolved) mesh takes — multiples of tp_size dividing fsdp_size × tp_size
+        (transformers' rule: distributed/configuration_utils.py, DistributedConfig._validate_mesh_config) — and,
+        given `num_experts`, that split the experts too."""
+        ranks = self.fsdp_size * self.tp_size
+        return [size for size in range(max(2, self.tp_size), ranks + 1, self.tp_size)
+                if ranks % size == 0 and not (num_experts and num_experts % size)]
+
+    def suggested_ep_size(self, num_experts: int = 0) -> int:
+        """A working ep size for an error message: the largest of ep_sizes() up to ep_size, else the smallest,
+        else 1 (no expert parallelism)."""
+        sizes = self.ep_sizes(num_experts)
+        return max([s for s in sizes if s <= self.ep_size] or sizes[:1] or [1])
+
+    def check_ep(self) -> None:
+        if self.ep_size == 1:
+            return
+        if self.ep_size % self.tp_size:
             raise UserError("plan.ep_size", (
-                f"{self.ep_size} does not divide fsdp_size={fsdp}: the experts are split over ep ranks taken from "
-                f"the fsdp ranks; use e.g. plan.ep_size={working}"))
-        return dataclasses.replace(self, fsdp_size=fsdp)
+                f"{self.ep_size} is not a multiple of tp_size={self.tp_size}: the experts are split over ep ranks "
+                f"taken from fsdp × tp, every tp rank included; use e.g. plan.ep_size={self.suggested_ep_size()}"))
+        if (self.fsdp_size * self.tp_size) % self.ep_size:
+            raise UserError("plan.ep_size", (
+                f"{self.ep_size} does not divide fsdp_size × tp_size = {self.fsdp_size}×{self.tp_size}: the experts "
+                f"are split over ep ranks taken from fsdp × tp; use e.g. plan.ep_size={self.suggested_ep_size()}"))
+
+    @property
+    def ep_fsdp_size(self) -> int:
+        """How many of the fsdp ranks one ep group spans (ep_size / tp_size; 1 without expert parallelism)."""
+        return self.ep_size // self.tp_size if self.ep_size > 1 else 1
+
+    @property
+    def expert_fsdp_size(self) -> int:
+        """Ranks that hold the same experts and shard them (Hugging Face's efsdp): fsdp_size / ep_fsdp_size."""
+        return self.fsdp_size // self.ep_fsdp_size
 
     @property
     def data_parallel_size(self) -> int:

@@ -50,7 +50,7 @@ def mesh_words(plan) -> str:
     mesh = plan.mesh
     axes = [f"{name} {size}" for name, size in mesh.axes() if size > 1 or name == "fsdp"]
     if mesh.ep_size > 1:
-        axes.append(f"ep {mesh.ep_size} (of fsdp)")
+        axes.append(f"ep {mesh.ep_size} (of fsdp{' x tp' if mesh.tp_size > 1 else ''})")
     return " x ".join(axes)
 
 

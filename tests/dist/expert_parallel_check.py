@@ -60,12 +60,23 @@ VARIANTS = {
     "fsdp4_ep2": Variant(EP2, world=4),
     "fsdp4_ep2_no_router_loss": Variant(EP2, world=4, model="mixtral"),
     "ep4": Variant({"plan.ep_size": "4"}, world=4),
-    # the other axes: sequence shards (cp, sp), replicas (HSDP), tensor parallelism (the model's own plan:
-    # attention split over tp, the experts kept whole there and split over ep)
+    # the other axes: sequence shards (cp, sp), replicas (HSDP)
     "fsdp2_cp2_ep2": Variant({**EP2, "plan.cp_size": "2"}, world=4),
     "fsdp2_sp2_ep2": Variant({**EP2, "plan.sp_size": "2"}, world=4),
     "hsdp2_ep2": Variant({**EP2, "plan.dp_replicate_size": "2"}, world=4),
+    # tensor parallelism (the model's own plan: attention split over tp): the ep ranks are taken from fsdp × tp,
+    # each tp rank dispatching its half of the tokens its tp group shares. ep = tp: the experts split over the
+    # tp pair (fsdp 1, or fsdp 2 with each expert sharded again over the 2 fsdp ranks); ep 4 = fsdp 2 × tp 2
+    "fsdp1_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}),
+    "fsdp1_tp2_ep2_checkpointing": Variant({**EP2, "plan.tp_size": "2", "plan.activation_checkpointing": "true"}),
+    "fsdp1_tp2_ep2_bf16": Variant({**EP2, "plan.tp_size": "2", "plan.param_dtype": "bfloat16"}),
+    # 3 rows of 63 tokens: the tp pair's slices are 95 and 94 tokens (gathered padded)
+    "fsdp1_tp2_ep2_uneven": Variant({**EP2, "plan.tp_size": "2", "train.batch_size": "3", "data.seq_len": "63"}),
+    "qwen3_moe_fsdp1_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}, model="qwen3_moe_router"),
     "fsdp2_tp2_ep2": Variant({**EP2, "plan.tp_size": "2"}, world=4),
+    "fsdp2_tp2_ep4": Variant({"plan.ep_size": "4", "plan.tp_size": "2"}, world=4),
+    "qwen3_moe_fsdp2_tp2_ep4": Variant({"plan.ep_size": "4", "plan.tp_size": "2"}, world=4, model="qwen3_moe_router"),
+    "hsdp2_tp2_ep2": Variant({**EP2, "plan.tp_size": "2", "plan.dp_replicate_size": "2"}, world=4),
 }
 
 

@@ -5,9 +5,11 @@ ep ranks (and sharded again only over the ranks holding the same experts), each 
 The router's load-balancing loss (output_router_logits, weight 0.1 so that it shapes every update; averaged per
 rank instead it moves the losses by ~2e-3) is on unless a variant's model says otherwise.
 
-The default suite runs ep2 on 2 ranks; `slow` runs the rest: without the router loss, ep inside a larger fsdp,
-ep = fsdp = 4, with cp, sp, tp and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient
-accumulation, bf16, and Qwen3-MoE."""
+The default suite runs ep2 and fsdp1_tp2_ep2 (the ep ranks taken from fsdp × tp) on 2 ranks; `slow` runs the rest:
+without the router loss, ep inside a larger fsdp, ep = fsdp = 4, with cp, sp, tp (ep = tp inside fsdp 2, ep 4 =
+fsdp 2 × tp 2, HSDP × tp; under tp also checkpointing, bf16 and an odd token count that the tp pair slices
+unevenly) and HSDP, activation checkpointing, rank-0 loading, CPU offload, gradient accumulation, bf16, and
+Qwen3-MoE."""
 import json
 import os
 
@@ -30,7 +32,8 @@ ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 MODELS = {"mixtral": ("mixtral", {}), "mixtral_router": ("mixtral", ROUTER),
           "qwen3_moe_router": ("qwen3_moe", dict(ROUTER, num_experts=4, num_experts_per_tok=2, head_dim=16,
                                                  moe_intermediate_size=48))}
-SLOW_VARIANTS = [name for name in VARIANTS if name != "ep2"]
+FAST_VARIANTS = ["ep2", "fsdp1_tp2_ep2"]
+SLOW_VARIANTS = [name for name in VARIANTS if name not in FAST_VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +82,10 @@ def single_process_eval_loss(config) -> float:
 
 
 def expected_local_fraction(name: str) -> float:
-    """Each expert element lives on one rank of ep × the ranks holding the same experts (efsdp × cp|sp): the
-    world but its tp ranks and HSDP replicas, which hold copies."""
+    """Each expert element lives on one rank of ep (tp ranks included) × the ranks holding the same experts
+    (efsdp × cp|sp): the world but its HSDP replicas, which hold copies."""
     overrides, world = VARIANTS[name].overrides, VARIANTS[name].world
-    copies = int(overrides.get("plan.tp_size", 1)) * int(overrides.get("plan.dp_replicate_size", 1))
-    return copies / world
+    return int(overrides.get("plan.dp_replicate_size", 1)) / world
 
 
 def check(models, name: str, result: dict) -> None:
@@ -99,10 +101,18 @@ def check(models, name: str, result: dict) -> None:
         assert deviation > 1e-6, "bf16 run is bit-identical to fp32: mixed precision was not applied"
 
 
-def test_ep2_trains_like_one_process(tmp_path, models):
-    """ep = fsdp = 2: each rank holds 2 of the 4 experts; tokens cross to the other rank and back, and the
-    router's load-balancing loss counts the choices of both ranks' tokens."""
-    check(models, "ep2", run_variants(tmp_path, models, ["ep2"])["ep2"])
+@pytest.fixture(scope="module")
+def fast_results(tmp_path_factory, models):
+    return run_variants(tmp_path_factory.mktemp("ep_fast"), models, FAST_VARIANTS)
+
+
+@pytest.mark.parametrize("name", FAST_VARIANTS)
+def test_expert_parallel_trains_like_one_process(fast_results, models, name):
+    """ep2: ep = fsdp = 2, each rank holds 2 of the 4 experts; tokens cross to the other rank and back, and the
+    router's load-balancing loss counts the choices of both ranks' tokens. fsdp1_tp2_ep2: the two ranks are one
+    tp group sharing its tokens, the experts split over it; each rank sends its half of the tokens, so every
+    token reaches its experts once and their gradients count it once."""
+    check(models, name, fast_results[name])
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +153,51 @@ def test_experts_in_a_layout_the_lowering_does_not_split_are_refused():
     with pytest.raises(UserError, match="GptOssExperts stores its experts in a layout expert parallelism does not "
                                         "split yet"):
         apply_expert_parallel(gpt_oss, ep_mesh=None)
+
+
+def expert_groups(spec, rank: int) -> tuple:
+    """(ep group, expert FSDP group) of `rank`, global ranks in mesh order, built as `rank` of a world of fake
+    ranks in this one process (torch's fake process group builds meshes, sends nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import _mesh_resources
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from portable_fsdp.backends.torch.mesh import expert_meshes
+
+    # torch caches a flattened mesh per mesh of equal ranks and names, whatever this process's rank: a process
+    # that is every rank in turn must forget the last one's
+    _mesh_resources.root_to_flatten_mapping.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    try:
+        ep, expert_dp = expert_meshes(spec, "cpu")
+        return ep.mesh.flatten().tolist(), expert_dp.mesh.flatten().tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [dict(fsdp_size=2, sp_size=2, tp_size=2, ep_size=4),
+                                   dict(dp_replicate_size=2, fsdp_size=2, tp_size=2, ep_size=2),
+                                   dict(fsdp_size=4, tp_size=2, ep_size=4), dict(fsdp_size=8, ep_size=4)])
+def test_an_ep_group_is_part_of_the_fsdp_ranks_times_their_tp_ranks(sizes):
+    """Hugging Face's layout: ep rank = (fsdp rank mod ep/tp) × tp + tp rank, over ranks of the same replica,
+    outer fsdp part and cp|sp coordinate (sp lies between fsdp and tp in rank order); the experts' FSDP mesh is
+    the ranks of the same ep rank: the outer fsdp part × cp|sp (× the replicas)."""
+    from portable_fsdp.plan import MeshSpec
+
+    spec = MeshSpec(**sizes).resolve(8)
+    part = spec.ep_fsdp_size
+
+    def outside_ep(rank):
+        c = spec.coordinates(rank)
+        return c["dp_replicate"], c["fsdp"] // part, c["sp"]
+
+    def ep_rank(rank):
+        c = spec.coordinates(rank)
+        return c["fsdp"] % part * spec.tp_size + c["tp"]
+
+    for rank in range(8):
+        ep, expert_dp = expert_groups(spec, rank)
+        assert [ep_rank(r) for r in ep] == list(range(spec.ep_size))
+        assert rank in ep and {outside_ep(r) for r in ep} == {outside_ep(rank)}
+        assert rank in expert_dp and {ep_rank(r) for r in expert_dp} == {ep_rank(rank)}
+        assert len(expert_dp) == spec.dp_replicate_size * spec.expert_fsdp_size * spec.sequence_size

@@ -19,9 +19,11 @@ MIXTRAL_PLAN = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*
 
 @needs_devices(4)
 @pytest.mark.parametrize("spec", [MeshSpec(dp_replicate_size=2, fsdp_size=2), MeshSpec(fsdp_size=4, ep_size=2),
-                                  MeshSpec(fsdp_size=2, tp_size=2), MeshSpec(fsdp_size=2, sp_size=2)])
+                                  MeshSpec(fsdp_size=2, tp_size=2), MeshSpec(fsdp_size=2, sp_size=2),
+                                  MeshSpec(fsdp_size=2, tp_size=2, ep_size=4)])
 def test_each_device_sits_at_its_ranks_coordinates(spec):
-    """Rank r (device r) is where MeshSpec.coordinates(r) puts it; ep is the inner part of fsdp."""
+    """Rank r (device r) is where MeshSpec.coordinates(r) puts it; ep is the inner part of fsdp an ep group spans
+    (ep_size / tp_size of it)."""
     import jax
 
     from portable_fsdp import placement
@@ -32,7 +34,7 @@ def test_each_device_sits_at_its_ranks_coordinates(spec):
     assert mesh.axis_names == placement.MESH_AXES
     for rank in range(4):
         c = spec.coordinates(rank)
-        fsdp_outer, ep = divmod(c["fsdp"], spec.ep_size)
+        fsdp_outer, ep = divmod(c["fsdp"], spec.ep_fsdp_size)
         assert mesh.devices[c["dp_replicate"], fsdp_outer, ep, c["cp"], c["sp"], c["tp"]] == jax.devices()[rank]
 
 
@@ -50,29 +52,43 @@ def test_tensor_parallel_patterns_name_modules_and_parameters():
     assert tp_dim("model.layers.1.mlp.gate.weight", 2, MIXTRAL_PLAN) is None
 
 
-def test_placement_of_tensor_and_expert_parallel_parameters():
-    """colwise on the output dimension, rowwise on the input one, fsdp on another; experts over ep, whole over tp."""
+def placed_parameters(spec: MeshSpec) -> dict:
+    """{parameter: spec as JSON} of a Mixtral layer's parameters on the resolved `spec` (8 devices)."""
     import jax
 
+    from portable_fsdp import placement
     from portable_fsdp.backends.flax import torch_weights, sharding
 
-    spec = MeshSpec(fsdp_size=4, ep_size=2, tp_size=2).resolve(8)
     mesh = sharding.build_mesh(spec, [jax.devices()[0]] * 8)  # placements only: no array is placed
     shapes = {"model.layers.0.self_attn.q_proj.kernel": (64, 64), "model.layers.0.self_attn.q_proj.bias": (64,),
               "model.layers.0.self_attn.o_proj.kernel": (64, 64), "model.layers.0.self_attn.o_proj.bias": (64,),
               "model.layers.0.mlp.experts.gate_up_proj": (4, 2, 64, 160),
               "model.layers.0.mlp.experts.down_proj": (4, 160, 64), "model.layers.0.mlp.gate.kernel": (64, 4)}
     shapes = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes.items()}
-    placed = sharding.describe(sharding.param_shardings(shapes, mesh, {**LLAMA_PLAN, **MIXTRAL_PLAN},
-                                                        torch_weights.torch_name))
+    return sharding.describe(sharding.param_shardings(shapes, mesh, {**LLAMA_PLAN, **MIXTRAL_PLAN},
+                                                      torch_weights.torch_name, placement.expert_axes(spec)))
+
+
+def test_placement_of_tensor_and_expert_parallel_parameters():
+    """colwise on the output dimension, rowwise on the input one, fsdp on another; experts over ep × tp (ep 4 =
+    2 of the 4 fsdp ranks × tp 2), never cut by tp."""
+    placed = placed_parameters(MeshSpec(fsdp_size=4, ep_size=4, tp_size=2).resolve(8))
     assert placed == {
         "model.layers.0.self_attn.q_proj.kernel": [["fsdp", "ep"], "tp"],
         "model.layers.0.self_attn.q_proj.bias": ["tp"],
         "model.layers.0.self_attn.o_proj.kernel": ["tp", ["fsdp", "ep"]],
         "model.layers.0.self_attn.o_proj.bias": [None],  # added after the reduction: whole on every tp rank
-        "model.layers.0.mlp.experts.gate_up_proj": ["ep", None, None, "fsdp"],  # whole over tp, as on every
-        "model.layers.0.mlp.experts.down_proj": ["ep", "fsdp", None],  # backend; the rest of fsdp on the largest
+        "model.layers.0.mlp.experts.gate_up_proj": [["ep", "tp"], None, None, "fsdp"],  # the rest of fsdp on the
+        "model.layers.0.mlp.experts.down_proj": [["ep", "tp"], "fsdp", None],  # largest other dimension
         "model.layers.0.mlp.gate.kernel": [None, None]}  # small: whole
+
+
+def test_experts_split_over_tp_only_under_expert_parallelism():
+    """ep = tp: the ep group is the tp group (the mesh's ep axis is 1); tp alone leaves the experts whole."""
+    ep_is_tp = placed_parameters(MeshSpec(fsdp_size=4, ep_size=2, tp_size=2).resolve(8))
+    assert ep_is_tp["model.layers.0.mlp.experts.down_proj"] == ["tp", "fsdp", None]
+    tp_alone = placed_parameters(MeshSpec(fsdp_size=4, tp_size=2).resolve(8))
+    assert tp_alone["model.layers.0.mlp.experts.down_proj"] == [None, "fsdp", None]
 
 
 def test_a_tensor_parallel_plan_that_cannot_split_is_refused():
@@ -118,11 +134,18 @@ def test_ulysses_attention_exchanges_sequence_for_heads_with_all_to_alls():
 
 @pytest.mark.slow
 @needs_devices(2)
-def test_expert_parallelism_moves_tokens_not_expert_weights(tmp_path_factory):
+@pytest.mark.parametrize("plan, expert_axes, exchange", [
+    ({"plan.ep_size": 2}, "ep", ("all-gather", "bsh,ephi->ebspi")),  # fsdp ranks hold different tokens: moved
+    ({"plan.ep_size": 2, "plan.tp_size": 2}, "tp", ("all-reduce", "ebsh,bse->bsh"))])  # tp ranks share theirs
+def test_expert_parallelism_moves_tokens_not_expert_weights(tmp_path_factory, plan, expert_axes, exchange):
+    """ep 2 out of fsdp 2: the tokens travel to the experts. ep 2 = tp 2 (fsdp 1): every device holds every token
+    already; each runs its experts on them and the experts' outputs are summed over tp. Never are the expert
+    weights gathered."""
     model = families.saved(tmp_path_factory, "mixtral")
-    state = init_state(make_config({**families.overrides(model), "plan.ep_size": 2}), 2)
-    assert state.params["model.layers.0.mlp.experts.down_proj"].sharding.spec[0] == "ep"
+    state = init_state(make_config({**families.overrides(model), **plan}), 2)
+    assert state.params["model.layers.0.mlp.experts.down_proj"].sharding.spec[0] == expert_axes
     hlo = compiled_train_step(state)
     gathered = [shape for shape, _ in collectives(hlo, "all-gather")]
     assert not [s for s in gathered if s.startswith(("f32[4,2,64,160]", "f32[4,160,64]"))], "expert weights gathered"
-    assert [name for _, name in collectives(hlo, "all-gather") if "bsh,ephi->ebspi" in name], "tokens not moved"
+    kind, operation = exchange
+    assert [name for _, name in collectives(hlo, kind) if operation in name], f"no {kind} of {operation}"

@@ -79,14 +79,18 @@ def test_family_trains_like_plain_torch_on_flax(family, tmp_path, tmp_path_facto
 
 
 # family -> (devices, plan): tensor and Ulysses sequence parallelism on Qwen2 (q/k/v biases split with their
-# columns), expert parallelism alone and inside fsdp (fsdp 4 = 2 x ep 2), and ep with tp on Mixtral.
+# columns), expert parallelism alone and inside fsdp (fsdp 4 = 2 x ep 2), and ep with tp on Mixtral — the ep
+# ranks taken from fsdp × tp: ep = tp on fsdp 1 and 2, ep 4 = fsdp 2 × tp 2.
 PARALLEL = {"qwen2_tp2": ("qwen2", 2, {"plan.tp_size": 2}), "qwen2_sp2": ("qwen2", 2, {"plan.sp_size": 2}),
             "mixtral_ep2": ("mixtral", 2, {"plan.ep_size": 2}), "mixtral_fsdp4_ep2": ("mixtral", 4, {"plan.ep_size": 2}),
-            "mixtral_ep2_tp2": ("mixtral", 4, {"plan.ep_size": 2, "plan.tp_size": 2})}
+            "mixtral_fsdp1_tp2_ep2": ("mixtral", 2, {"plan.ep_size": 2, "plan.tp_size": 2}),
+            "mixtral_fsdp2_tp2_ep2": ("mixtral", 4, {"plan.ep_size": 2, "plan.tp_size": 2}),
+            "mixtral_fsdp2_tp2_ep4": ("mixtral", 4, {"plan.ep_size": 4, "plan.tp_size": 2})}
+FAST_PARALLEL = ("mixtral_fsdp1_tp2_ep2",)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(PARALLEL))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_PARALLEL else pytest.mark.slow)
+                                  for n in PARALLEL])
 def test_family_trains_like_plain_torch_on_a_parallel_mesh(name, tmp_path, tmp_path_factory):
     family, devices, plan = PARALLEL[name]
     families.assert_trains_like_plain_torch("flax", families.saved(tmp_path_factory, family), tmp_path,

@@ -16,6 +16,9 @@ SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_l
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gpt2", "mixtral")
+# Saved like a family (`saved`) for the expert-parallel meshes, but not in the families' matrix: Qwen3-MoE's experts
+# are smaller than its dense MLP, with q/k norms, and flax does not build it.
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, head_dim=16, moe_intermediate_size=48)
 
 
 def hf_config(family: str):
@@ -27,7 +30,8 @@ def hf_config(family: str):
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                                     eos_token_id=None)
     extra = {"qwen2": dict(use_sliding_window=False), "mistral": dict(sliding_window=32),
-             "gemma": dict(head_dim=16), "mixtral": dict(MOE, sliding_window=None)}.get(family, {})
+             "gemma": dict(head_dim=16), "mixtral": dict(MOE, sliding_window=None),
+             "qwen3_moe": QWEN3_MOE}.get(family, {})
     return AutoConfig.for_model(family, **SHAPE, **extra)
 
 

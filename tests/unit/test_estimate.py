@@ -139,3 +139,12 @@ def test_ranks_with_the_same_numbers_fold_into_one_table():
     assert [numbers for numbers, _ in groups] == [[0, 1, 2], [3]]
     assert estimate.rank_words([0, 1, 2], 4, False) == "ranks 0-2"
     assert estimate.rank_words([0, 7], 8, False) == "ranks 0, 7"
+
+
+def test_the_report_names_where_the_ep_ranks_come_from():
+    from portable_fsdp.estimate.report import mesh_words
+    from portable_fsdp.plan import MeshSpec, ShardingPlan
+
+    assert mesh_words(ShardingPlan(mesh=MeshSpec(ep_size=2).resolve(4))) == "fsdp 4 x ep 2 (of fsdp)"
+    assert mesh_words(ShardingPlan(mesh=MeshSpec(ep_size=4, tp_size=2).resolve(4))) == \
+        "fsdp 2 x tp 2 x ep 4 (of fsdp x tp)"

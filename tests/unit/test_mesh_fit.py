@@ -28,6 +28,7 @@ def test_largest_divisor(n, at_most, expected):
 @pytest.mark.parametrize("model, world, sizes", [
     (LLAMA, 4, {"tp_size": 2}), (LLAMA, 4, {"sp_size": 2}), (LLAMA, 4, {"tp_size": 2, "sp_size": 2}),
     (MIXTRAL, 4, {"ep_size": 2}), (MIXTRAL, 3, {"ep_size": 3}), (LLAMA, 4, {"dp_replicate_size": 2}),
+    (MIXTRAL, 4, {"ep_size": 2, "tp_size": 2}), (MIXTRAL, 6, {"ep_size": 6, "tp_size": 2}),
 ])
 def test_meshes_that_fit(model, world, sizes):
     check_mesh_fits(plan(world, **sizes), model)
@@ -70,6 +71,11 @@ def test_experts_must_divide_over_ep():
         check_mesh_fits(plan(4, ep_size=4), MIXTRAL)
     with user_error("plan.ep_size", "6 experts per layer do not split over 4 ranks; use e.g. plan.ep_size=3"):
         check_mesh_fits(plan(12, ep_size=4), MIXTRAL)
+    # with tp 2 the ep size is a multiple of 2 dividing fsdp × tp = 12: 2 and 6 split the 6 experts, 4 does not
+    with user_error("plan.ep_size", "6 experts per layer do not split over 4 ranks; use e.g. plan.ep_size=2"):
+        check_mesh_fits(plan(12, ep_size=4, tp_size=2), MIXTRAL)
+    with user_error("plan.ep_size", "6 experts per layer do not split over 12 ranks; use e.g. plan.ep_size=6"):
+        check_mesh_fits(plan(12, ep_size=12, tp_size=2), MIXTRAL)
 
 
 def test_tp_on_a_model_without_a_plan_and_none_given():

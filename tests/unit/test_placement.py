@@ -14,10 +14,19 @@ MIXTRAL_PLAN = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*
 
 
 def test_the_axes_are_ordered_as_meshspec_orders_ranks_with_ep_inside_fsdp():
-    sizes = placement.axis_sizes(MeshSpec(dp_replicate_size=2, fsdp_size=4, ep_size=2, tp_size=2).resolve(16))
+    # ep 4 with tp 2: an ep group spans 2 of the 4 fsdp ranks and their tp ranks
+    sizes = placement.axis_sizes(MeshSpec(dp_replicate_size=2, fsdp_size=4, ep_size=4, tp_size=2).resolve(16))
     assert sizes == {"dp_replicate": 2, "fsdp": 2, "ep": 2, "cp": 1, "sp": 1, "tp": 2}
     assert tuple(sizes) == placement.MESH_AXES
+    # ep = tp: the ep group is the tp group, no fsdp rank taken
+    sizes = placement.axis_sizes(MeshSpec(fsdp_size=4, ep_size=2, tp_size=2).resolve(8))
+    assert sizes == {"dp_replicate": 1, "fsdp": 4, "ep": 1, "cp": 1, "sp": 1, "tp": 2}
     assert placement.DATA_AXES + placement.SEQUENCE_AXES + ("tp",) == placement.MESH_AXES
+
+
+def test_experts_split_over_ep_and_tp_only_under_expert_parallelism():
+    assert placement.expert_axes(MeshSpec(ep_size=2, tp_size=2).resolve(2)) == ("ep", "tp")
+    assert placement.expert_axes(MeshSpec(tp_size=2).resolve(2)) == ()
 
 
 @pytest.mark.parametrize("name, generic", [

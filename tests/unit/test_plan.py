@@ -67,16 +67,38 @@ def test_resolve_refuses_zero_and_negative_sizes(field, size):
 
 
 def test_data_parallel_size_counts_replicas_and_fsdp_only():
-    # cp, sp and tp ranks share a batch; ep ranks are fsdp ranks, which read different rows already
+    # cp, sp and tp ranks share a batch; ep ranks come from fsdp × tp, which split the rows no further
     mesh = MeshSpec(dp_replicate_size=2, fsdp_size=2, cp_size=2, tp_size=2, ep_size=2)
     assert mesh.data_parallel_size == 4
 
 
-def test_ep_is_carved_out_of_the_fsdp_ranks():
-    with user_error("plan.ep_size", "does not divide fsdp_size=2") as info:
-        MeshSpec(ep_size=4, tp_size=2).resolve(4)
-    assert "plan.ep_size=2" in info.value.message
-    assert MeshSpec(ep_size=2).resolve(4).fsdp_size == 4
+@pytest.mark.parametrize("world, sizes, ep_fsdp, expert_fsdp", [
+    (4, {"ep_size": 2}, 2, 2),  # no tp: the ep ranks are fsdp ranks, as before tp took part
+    (4, {"ep_size": 4}, 4, 1),
+    (2, {"ep_size": 2, "tp_size": 2}, 1, 1),  # ep = tp on fsdp 1: the experts split over the tp pair
+    (4, {"ep_size": 2, "tp_size": 2}, 1, 2),
+    (4, {"ep_size": 4, "tp_size": 2}, 2, 1),  # ep 4 = fsdp 2 × tp 2
+    (16, {"ep_size": 4, "tp_size": 2, "cp_size": 2}, 2, 2),
+    (4, {"tp_size": 2}, 1, 2),
+])
+def test_ep_ranks_are_taken_from_fsdp_times_tp(world, sizes, ep_fsdp, expert_fsdp):
+    mesh = MeshSpec(**sizes).resolve(world)
+    assert (mesh.ep_fsdp_size, mesh.expert_fsdp_size) == (ep_fsdp, expert_fsdp)
+    assert mesh.ep_fsdp_size * mesh.expert_fsdp_size == mesh.fsdp_size
+
+
+@pytest.mark.parametrize("world, sizes, phrase, working", [
+    (4, {"ep_size": 3, "tp_size": 2}, "3 is not a multiple of tp_size=2", 2),
+    (8, {"ep_size": 2, "tp_size": 4}, "2 is not a multiple of tp_size=4", 4),
+    (4, {"ep_size": 8, "tp_size": 2}, "8 does not divide fsdp_size × tp_size = 2×2", 4),
+    (6, {"ep_size": 4, "tp_size": 2}, "4 does not divide fsdp_size × tp_size = 3×2", 2),
+    (4, {"ep_size": 3}, "3 does not divide fsdp_size × tp_size = 4×1", 2),
+])
+def test_ep_must_be_a_multiple_of_tp_dividing_fsdp_times_tp(world, sizes, phrase, working):
+    with user_error("plan.ep_size", phrase) as info:
+        MeshSpec(**sizes).resolve(world)
+    assert info.value.message.endswith(f"use e.g. plan.ep_size={working}")
+    MeshSpec(**{**sizes, "ep_size": working}).resolve(world)
 
 
 def test_rank_coordinates_are_outermost_first_with_tp_innermost():

@@ -13,7 +13,7 @@ SIZES = {"dp_replicate": 1, "fsdp": 2, "ep": 1, "cp": 1, "sp": 1, "tp": 2}  # SH
 
 
 def test_the_mesh_orders_the_plans_axes_outermost_first_with_ep_inside_fsdp():
-    spec = MeshSpec(dp_replicate_size=2, fsdp_size=4, ep_size=2, tp_size=2).resolve(16)
+    spec = MeshSpec(dp_replicate_size=2, fsdp_size=4, ep_size=4, tp_size=2).resolve(16)
     assert dict(zip(placement.MESH_AXES, layout.mesh_shape(spec))) == {
         "dp_replicate": 2, "fsdp": 2, "ep": 2, "cp": 1, "sp": 1, "tp": 2}
     assert layout.mesh_shape(MeshSpec().resolve(4)) == (1, 4, 1, 1, 1, 1)
@@ -35,10 +35,10 @@ def test_a_tensor_parallel_weight_is_split_two_ways():
     assert layout.parameter_spec((64,), SIZES, tp_dim=0) == ("tp",)  # colwise bias: small, over tp alone
 
 
-def test_an_expert_weight_has_its_experts_over_ep():
+def test_an_expert_weight_has_its_experts_over_ep_and_tp():
     sizes = {**SIZES, "ep": 2, "tp": 1}
-    assert layout.parameter_spec((4, 320, 64), sizes, expert=True) == ("ep", ("fsdp", "cp", "sp", "tp"), None)
-    assert layout.parameter_spec((4, 64, 160), sizes, expert=True) == ("ep", None, ("fsdp", "cp", "sp", "tp"))
+    assert layout.parameter_spec((4, 320, 64), sizes, expert=True) == (("ep", "tp"), ("fsdp", "cp", "sp"), None)
+    assert layout.parameter_spec((4, 64, 160), sizes, expert=True) == (("ep", "tp"), None, ("fsdp", "cp", "sp"))
 
 
 def test_batches_and_activations_split_rows_over_data_parallel_ranks_and_positions_over_cp_or_sp():
@@ -64,6 +64,7 @@ def meta_model(family: str):
 
 FSDP2_TP2 = MeshSpec(fsdp_size=2, tp_size=2).resolve(4)
 FSDP4_EP2 = MeshSpec(fsdp_size=4, ep_size=2).resolve(4)
+FSDP2_TP2_EP4 = MeshSpec(fsdp_size=2, tp_size=2, ep_size=4).resolve(4)
 
 
 def test_every_weight_of_a_tensor_parallel_qwen2_follows_its_plan():
@@ -88,18 +89,23 @@ def test_a_rowwise_embedding_is_split_by_vocabulary():
 
 def test_mixtral_experts_go_over_ep_and_the_router_does_not():
     specs = layout.parameter_specs(meta_model("mixtral"), {}, 4, FSDP4_EP2)
-    assert specs["model.layers.1.mlp.experts.gate_up_proj"] == ("ep", ("fsdp", "cp", "sp", "tp"), None)
-    assert specs["model.layers.1.mlp.experts.down_proj"] == ("ep", None, ("fsdp", "cp", "sp", "tp"))
+    assert specs["model.layers.1.mlp.experts.gate_up_proj"] == (("ep", "tp"), ("fsdp", "cp", "sp"), None)
+    assert specs["model.layers.1.mlp.experts.down_proj"] == (("ep", "tp"), None, ("fsdp", "cp", "sp"))
     assert specs["model.layers.1.mlp.gate.weight"] == (None, None)  # [experts, hidden]: a small plain weight
     # Without expert parallelism the experts are plain weights too (their largest dimension).
     assert layout.parameter_specs(meta_model("mixtral"), {}, 0, FSDP4_EP2)[
         "model.layers.1.mlp.experts.gate_up_proj"] == (None, SHARD, None)
 
 
-def test_mixtral_experts_stay_whole_over_tp():
+def test_mixtral_experts_are_not_cut_by_tp():
+    """Without expert parallelism, FSDPv2 stores them over every device as a plain weight; with it, their experts
+    go over ep × tp (ep 4 = fsdp 2 × tp 2: the expert mesh axis ep is the 2 fsdp ranks of the ep group)."""
     model = meta_model("mixtral")
     specs = layout.parameter_specs(model, model.config.base_model_tp_plan, 0, FSDP2_TP2)
     assert specs["model.layers.1.mlp.experts.gate_up_proj"] == (None, SHARD, None)
+    assert specs["model.layers.1.self_attn.q_proj.weight"] == ("tp", NOT_TP)
+    specs = layout.parameter_specs(model, model.config.base_model_tp_plan, 4, FSDP2_TP2_EP4)
+    assert specs["model.layers.1.mlp.experts.gate_up_proj"] == (("ep", "tp"), ("fsdp", "cp", "sp"), None)
     assert specs["model.layers.1.self_attn.q_proj.weight"] == ("tp", NOT_TP)
 
 

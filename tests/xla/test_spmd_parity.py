@@ -4,7 +4,7 @@ tensor parallelism: fsdp 2 x tp 2 on 4 devices), eval_loss before training again
 real sharding of every parameter and input, a bounded number of compiled graphs, and a SHARDED_STATE_DICT save
 that resumes exactly. Slow: the rest of the matrix (tests/parity/matrix.py) that the xla lowering honours —
 Ulysses sequence parallelism, HSDP, tensor parallelism alone with a FULL checkpoint resumed without it — and
-expert parallelism on a tiny Mixtral (fsdp 4 = 2 x ep 2)."""
+expert parallelism on a tiny Mixtral (fsdp 4 = 2 x ep 2, and fsdp 2 x tp 2 with ep 4 over all of them)."""
 import json
 import math
 import re
@@ -168,15 +168,19 @@ def test_sharded_checkpoint_reloads_and_resumes_exactly(run_on):
     assert sharded["resumed"] == sharded["continued"]
 
 
-def mixtral_overrides(tmp_path_factory) -> dict:
-    """The tiny Mixtral (4 experts a layer) with its experts split over 2 of the 4 fsdp devices."""
-    return {"model.init_from": str(families.saved(tmp_path_factory, "mixtral")), "plan.ep_size": "2"}
+# The tiny Mixtral (4 experts a layer) with its experts split over 2 of the 4 fsdp devices, or over all 4 devices
+# of fsdp 2 x tp 2 (ep ranks taken from fsdp x tp); both run with the 4-device slow variants.
+MIXTRAL_PLANS = {"mixtral_fsdp4_ep2": {"plan.ep_size": "2"},
+                 "mixtral_fsdp2_tp2_ep4": {"plan.ep_size": "4", "plan.tp_size": "2"}}
 
 
-MIXTRAL = "mixtral_fsdp4_ep2"  # runs with the 4-device slow variants
+def mixtral_overrides(tmp_path_factory, name: str) -> dict:
+    return {"model.init_from": str(families.saved(tmp_path_factory, "mixtral")), **MIXTRAL_PLANS[name]}
+
+
 SLOW_CHUNK = 5  # variants per process: one process for them all would outlast the per-test timeout
 SLOW_CHUNKS = [(devices, chunk) for devices, names in SLOW_VARIANTS.items()
-               for listed in [[*names, MIXTRAL] if devices == 4 else names]
+               for listed in [[*names, *MIXTRAL_PLANS] if devices == 4 else names]
                for chunk in (listed[i:i + SLOW_CHUNK] for i in range(0, len(listed), SLOW_CHUNK))]
 
 
@@ -188,7 +192,8 @@ def slow_results(tmp_path_factory):
     def results(name: str) -> dict:
         if name not in cache:
             devices, chunk = next((devices, chunk) for devices, chunk in SLOW_CHUNKS if name in chunk)
-            args = [f"{n}={json.dumps(mixtral_overrides(tmp_path_factory))}" if n == MIXTRAL else n for n in chunk]
+            args = [f"{n}={json.dumps(mixtral_overrides(tmp_path_factory, n))}" if n in MIXTRAL_PLANS else n
+                    for n in chunk]
             cache.update(variants(tmp_path_factory.mktemp("slow"), devices, STEPS, args))
         return cache[name]
 
@@ -270,16 +275,24 @@ def test_full_checkpoint_saved_with_tensor_parallelism_resumes_with_plain_fsdp(s
     assert max_relative_difference(resume["resumed"], resume["reference"]) <= FP32_RTOL
 
 
+# name -> the shardings of layer weights: [4, 320, 64] gate_up_proj, [4, 64, 160] down_proj, q_proj
+MIXTRAL_SHARDINGS = {
+    # device = 2 * fsdp + ep: experts over ep, the largest other dimension over the outer fsdp; attention over all
+    "mixtral_fsdp4_ep2": ("{devices=[2,2,1]0,2,1,3}", "{devices=[2,1,2]0,2,1,3}", "{devices=[4,1]0,1,2,3}"),
+    # device = 2 * fsdp + tp: experts over ep x tp, block d on device d (torch's ep rank); q_proj's rows over tp
+    "mixtral_fsdp2_tp2_ep4": ("{devices=[4,1,1]0,1,2,3}", "{devices=[4,1,1]0,1,2,3}", "{devices=[2,2]0,2,1,3}"),
+}
+
+
 @pytest.mark.slow
-def test_mixtral_experts_are_split_over_ep_and_train_like_one_process(slow_results, tmp_path_factory):
-    """fsdp 4 = 2 x ep 2 (device = 2 * fsdp + ep): each expert weight [experts, ...] has its experts over ep and
-    its largest other dimension over the outer fsdp; attention stays sharded over all four devices."""
-    result = slow_results(MIXTRAL)
+@pytest.mark.parametrize("name", list(MIXTRAL_PLANS))
+def test_mixtral_experts_are_split_over_ep_and_train_like_one_process(slow_results, tmp_path_factory, name):
+    result = slow_results(name)
     shardings = result["shardings"]
     for layer in (0, 1):
-        assert shardings[f"model.layers.{layer}.mlp.experts.gate_up_proj"] == "{devices=[2,2,1]0,2,1,3}"  # [4, 320, 64]
-        assert shardings[f"model.layers.{layer}.mlp.experts.down_proj"] == "{devices=[2,1,2]0,2,1,3}"  # [4, 64, 160]
-        assert shardings[f"model.layers.{layer}.self_attn.q_proj.weight"] == "{devices=[4,1]0,1,2,3}"
+        assert (shardings[f"model.layers.{layer}.mlp.experts.gate_up_proj"],
+                shardings[f"model.layers.{layer}.mlp.experts.down_proj"],
+                shardings[f"model.layers.{layer}.self_attn.q_proj.weight"]) == MIXTRAL_SHARDINGS[name]
     assert result["initial_eval"]["eval_loss"] == pytest.approx(result["plain_eval"], rel=EVAL_RTOL)
-    overrides = {k: v for k, v in mixtral_overrides(tmp_path_factory).items() if not k.startswith("plan.")}
+    overrides = {k: v for k, v in mixtral_overrides(tmp_path_factory, name).items() if not k.startswith("plan.")}
     assert max_relative_difference(result["losses"], reference_losses(make_config(overrides), STEPS)) <= FP32_RTOL

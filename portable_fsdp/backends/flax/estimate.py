@@ -21,6 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from portable_fsdp import placement
 from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, optimizer as optimizer_lib
 from portable_fsdp.backends.flax import programs as programs_lib, sharding
 from portable_fsdp.backends.flax.step import COMPUTE_DTYPES
@@ -43,15 +44,17 @@ def estimate_memory(request: dict) -> dict:
     arch = architecture.from_hf_config(hf_config(config.model))
     model_def = model_lib.define(arch, remat=plan.activation_checkpointing or config.train.gradient_checkpointing)
     mesh = sharding.build_mesh(plan.mesh, jax.devices()[:world_size])
+    expert_axes = placement.expert_axes(plan.mesh)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              torch_weights.torch_name)
+                                              torch_weights.torch_name, expert_axes)
     params = {name: _abstract(shape, param_sharding[name]) for name, shape in model_def.shapes.items()}
     optimizer = optimizer_lib.build(config.train)
     opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_sharding = sharding.optimizer_shardings(opt_shapes, param_sharding, mesh)
     opt_state = jax.tree.map(_abstract, opt_shapes, opt_sharding)
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding,
-                                  COMPUTE_DTYPES[plan.mixed_precision.param_dtype], config.train.loss_chunk_tokens)
+                                  COMPUTE_DTYPES[plan.mixed_precision.param_dtype], config.train.loss_chunk_tokens,
+                                  expert_axes)
     t = config.train
     stacked = sharding.batch_sharding(mesh, leading_axes=1)
     rows = t.batch_size // t.grad_accum_steps

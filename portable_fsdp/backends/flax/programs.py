@@ -37,10 +37,11 @@ class Programs:
 
 
 def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
-          opt_sharding, compute_dtype, loss_chunk_tokens: int = 0) -> Programs:
+          opt_sharding, compute_dtype, loss_chunk_tokens: int = 0, expert_axes: tuple = ()) -> Programs:
     """`loss_chunk_tokens` (train.loss_chunk_tokens): the training and eval losses project and reduce that many
-    tokens per device at a time (loss.py); 0 computes the whole batch's logits."""
-    layout = sharding.Layout(mesh)
+    tokens per device at a time (loss.py); 0 computes the whole batch's logits. `expert_axes`: what a MoE
+    layer's experts are split over (placement.expert_axes)."""
+    layout = sharding.Layout(mesh, expert_axes)
     coef = model_def.arch.router_aux_loss_coef
     chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, placement.SEQUENCE_AXES),
                         sharding.size_of(mesh, placement.DATA_AXES))

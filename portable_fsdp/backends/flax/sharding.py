@@ -1,7 +1,8 @@
 """The neutral plan lowered to JAX sharding: one Mesh from the MeshSpec, and a PartitionSpec per array.
 
 The mesh has every axis of the plan, outermost first (portable_fsdp.placement.MESH_AXES): dp_replicate, fsdp,
-ep, cp, sp, tp — `ep` being the inner part of the fsdp ranks (fsdp_size = mesh fsdp × ep), so every rank keeps
+ep, cp, sp, tp — `ep` being the inner part of the fsdp ranks an ep group spans (fsdp_size = mesh fsdp × ep, ep =
+plan.ep_size / tp_size), so every rank keeps
 the coordinates portable_fsdp.plan gives it. What each axis does is only where arrays are placed; a sharding never
 changes what XLA computes, so every combination computes what one device would:
 
@@ -15,10 +16,11 @@ changes what XLA computes, so every combination computes what one device would:
   the batch's rows are split over dp_replicate × fsdp × ep, so gradients are reduced over all of them.
 - TP: the model's tensor-parallel plan (transformers' notation, `layers.*.self_attn.q_proj: colwise`) names the
   parameters to split over `tp` (portable_fsdp.placement.tp_dim): colwise ones on their output dimension,
-  rowwise ones on their input dimension, with fsdp on another dimension (2-D sharding); a MoE layer's experts
-  stay whole over tp, as on every backend. XLA all-reduces the rowwise outputs.
-- EP: a MoE layer's expert weights are split on the expert dimension over `ep`; the expert activations are
-  constrained to the same split (`Layout.experts`), so XLA moves the tokens to the experts and back.
+  rowwise ones on their input dimension, with fsdp on another dimension (2-D sharding); tp never cuts a MoE
+  layer's experts, as on every backend. XLA all-reduces the rowwise outputs.
+- EP: a MoE layer's expert weights are split on the expert dimension over `ep` × `tp` (the plan's ep_size
+  ranks, taken from fsdp × tp as Hugging Face takes them); the expert activations are constrained to the same
+  split (`Layout.experts`), so XLA moves the tokens to the experts and back.
 - CP and Ulysses SP: the batch's sequence is split over `cp` or `sp`. Under SP, q/k/v inside attention are
   constrained to be split by heads over sp (`Layout.heads`) instead: XLA emits the all-to-alls that exchange
   sequence for heads and back. Under CP, XLA gathers keys and values along `cp` where attention needs them.
@@ -36,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from portable_fsdp import placement
 from portable_fsdp.errors import UserError
-from portable_fsdp.placement import DATA_AXES, DP_REPLICATE, EP, FSDP, SEQUENCE_AXES, SHARD_AXES, SP, TP
+from portable_fsdp.placement import DATA_AXES, DP_REPLICATE, FSDP, SEQUENCE_AXES, SHARD_AXES, SP, TP
 from portable_fsdp.plan import MeshSpec
 
 EXPERTS = ".experts."  # a MoE layer's expert weights carry this in their name; their first dimension is the expert
@@ -83,13 +85,15 @@ def tp_dim(torch_name: str, ndim: int, tp_plan: dict) -> int | None:
     return placement.tp_dim(tp_plan, torch_name.removeprefix(BASE_MODEL), ndim, in_out=True)
 
 
-def param_shardings(shapes: dict, mesh: Mesh, tp_plan: dict | None = None, torch_name=lambda n: n) -> dict:
+def param_shardings(shapes: dict, mesh: Mesh, tp_plan: dict | None = None, torch_name=lambda n: n,
+                    expert_axes: tuple = ()) -> dict:
     """{flax name: NamedSharding}. `torch_name` maps a flax name to the transformers name the tp plan's
-    patterns are written against."""
+    patterns are written against; `expert_axes` (placement.expert_axes: the mesh alone cannot tell ep = tp
+    from tp without ep) split a MoE layer's experts."""
     tp_plan = (tp_plan or {}) if mesh.shape[TP] > 1 else {}
     placement.check_parameter_keys(tp_plan, [n.removeprefix(BASE_MODEL) for n in map(torch_name, shapes)
                                              if n.startswith(BASE_MODEL)])
-    placed = {name: NamedSharding(mesh, _spec(name, tuple(s.shape), mesh, tp_plan, torch_name))
+    placed = {name: NamedSharding(mesh, _spec(name, tuple(s.shape), mesh, tp_plan, torch_name, expert_axes))
               for name, s in shapes.items()}
     if mesh.shape[TP] > 1 and not any(TP in str(s.spec) for s in placed.values()):
         raise UserError("plan.tp_plan", (
@@ -98,12 +102,12 @@ def param_shardings(shapes: dict, mesh: Mesh, tp_plan: dict | None = None, torch
     return placed
 
 
-def _spec(name: str, shape: tuple, mesh: Mesh, tp_plan: dict, torch_name) -> PartitionSpec:
+def _spec(name: str, shape: tuple, mesh: Mesh, tp_plan: dict, torch_name, expert_axes: tuple) -> PartitionSpec:
     fixed = {}
     shard_axes = split_over(mesh, SHARD_AXES)
-    if EXPERTS in name and mesh.shape[EP] > 1:
-        fixed[0] = EP
-        shard_axes = tuple(a for a in shard_axes if a != EP)
+    if EXPERTS in name and expert_axes:
+        fixed[0] = entry(split_over(mesh, expert_axes))
+        shard_axes = tuple(a for a in shard_axes if a not in expert_axes)
     dim = tp_dim(torch_name(name), len(shape), tp_plan)
     if dim is not None:
         if shape[dim] % mesh.shape[TP]:
@@ -146,9 +150,10 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
 class Layout:
     """Where the model's activations are placed inside the compiled program (model.py calls these; outside a
     mesh each is the identity): hidden states between layers, q/k/v inside attention, and a MoE layer's
-    per-expert activations."""
+    per-expert activations. `expert_axes`: what the experts are split over (placement.expert_axes)."""
 
     mesh: Mesh | None = None
+    expert_axes: tuple = ()
 
     def _constrain(self, x, *spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
@@ -175,14 +180,15 @@ class Layout:
         return self._constrain(x, rows(self.mesh), None, entry(split_over(self.mesh, (TP, SP))), None)
 
     def experts(self, x):
-        """A MoE layer's per-expert activations [experts, b, s, ...]: experts split over ep, the tokens of an ep
-        group gathered to them (rows over the other data axes): XLA moves tokens over ep, never expert weights.
-        The feature dimensions follow the weights."""
+        """A MoE layer's per-expert activations [experts, b, s, ...]: experts split over the expert axes (ep × tp),
+        the tokens of an ep group gathered to them (rows over the other data axes): XLA moves tokens over ep × tp,
+        never expert weights. The feature dimensions follow the weights."""
         if self.mesh is None:
             return x
         other_rows = entry(split_over(self.mesh, (DP_REPLICATE, FSDP)))
         free = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 3)
-        return self._constrain(x, entry(split_over(self.mesh, (EP,))), other_rows, sequence(self.mesh), *free)
+        return self._constrain(x, entry(split_over(self.mesh, self.expert_axes)), other_rows, sequence(self.mesh),
+                               *free)
 
 
 def optimizer_shardings(opt_state_shapes, param_sharding: dict, mesh: Mesh):

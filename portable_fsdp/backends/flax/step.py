@@ -26,6 +26,7 @@ from portable_fsdp.data.batch import Batch
 from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.mesh_fit import tensor_parallel_plan
+from portable_fsdp.placement import expert_axes
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.training.schedule import for_config as schedule_for
 
@@ -69,8 +70,9 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     weights = initial.prepare(config, remat)
     model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
     info = architecture.describe_model(config)
+    experts_over = expert_axes(plan.mesh)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              torch_weights.torch_name)
+                                              torch_weights.torch_name, experts_over)
     params = weights.place(param_sharding)
     del weights  # a model built whole (initial.built_whole) leaves the host here
     optimizer = optimizer_lib.build(config.train)
@@ -78,7 +80,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype,
-                                  config.train.loss_chunk_tokens)
+                                  config.train.loss_chunk_tokens, experts_over)
     ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
                   schedule_for(config.train), baseline_mb)
     return TrainState(params, opt_state, 0, ctx)

@@ -6,17 +6,24 @@ after the router chose K experts per token. Under expert parallelism each rank o
 them — a DTensor `Shard(0)` over the ep mesh, so a checkpoint still sees the full [E, ...] weight — and the
 module's forward becomes:
 
+0. with tensor parallelism, the ep group holds whole tp groups, whose ranks hold the same tokens (replicated
+   activations): each tp rank takes its 1/tp of them (`_SliceTokens`), so no token is sent twice;
 1. this rank's (token, expert) pairs, sorted by expert, each go to the rank holding its expert: one
    `all_to_all_single` with uneven splits (the counts per expert are exchanged first);
 2. the received rows run through the local experts, one matrix product per expert and projection;
-3. the results take the reverse route, and each token's K results are summed with its router weights.
+3. the results take the reverse route, and each token's K results are summed with its router weights;
+4. with tensor parallelism, the tp group's slices are all-gathered back into every token (`_GatherTokens`).
+
+Steps 0 and 4 are Megatron's conjugate pair: slicing forward is an all-gather backward, all-gathering forward a
+slice backward (the gradient arriving is the same on every tp rank, as the activation it belongs to).
 
 Every pair is computed — no capacity, no dropped token — so a step is the step of one process. The all-to-alls
 are autograd functions: backward sends each gradient back along its pair's route.
 
 `shard_experts` then hands each rank's experts to FSDP over `expert_dp`, the ranks that hold the same experts
 (the fsdp ranks outside the ep group, × cp|sp; replicated over dp_replicate under HSDP), never over the ep group
-again; the rest of each layer is sharded over every fsdp rank as usual (portable_fsdp/backends/torch/parallelize.py).
+(nor its tp ranks) again; the rest of each layer is sharded over every fsdp rank as usual
+(portable_fsdp/backends/torch/parallelize.py).
 """
 from __future__ import annotations
 
@@ -38,9 +45,10 @@ from portable_fsdp.errors import UserError
 WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> list:
+def apply_expert_parallel(model: nn.Module, ep_mesh, tp_mesh=None) -> list:
     """Split every MoE layer's experts over `ep_mesh` (in place, before FSDP) and make their forward dispatch
-    tokens to the ranks holding their experts; returns the experts modules."""
+    tokens to the ranks holding their experts; returns the experts modules. `tp_mesh`: this rank's tp group
+    (inside its ep group), whose ranks hold the same tokens and each dispatch a slice of them."""
     experts = expert_modules(model)
     if not experts:
         raise UserError("plan.ep_size", (
@@ -55,7 +63,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list:
             shard = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=weight.requires_grad))
         module._ep_group = ep_mesh.get_group()
-        module.forward = types.MethodType(_dispatching_forward, module)
+        module._tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        module.forward = types.MethodType(_tp_sliced_forward, module)
     return experts
 
 
@@ -72,9 +81,67 @@ def _check_layout(module: nn.Module) -> None:
             "splits fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] without biases); set plan.ep_size=1"))
 
 
+def _tp_sliced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward under expert parallelism: each tp rank dispatches its slice of the tokens the tp
+    group shares, and the slices' results are gathered back to every tp rank."""
+    group = self._tp_group
+    if group is None:
+        return _dispatching_forward(self, hidden_states, top_k_index, top_k_weights)
+    tokens = hidden_states.shape[0]
+    rows = _own_rows(tokens, group)
+    sliced = _dispatching_forward(self, _SliceTokens.apply(hidden_states, group), top_k_index[rows],
+                                  _SliceTokens.apply(top_k_weights, group))
+    return _GatherTokens.apply(sliced, group, tokens)
+
+
+def _own_rows(tokens: int, group) -> slice:
+    """This rank's rows of `tokens` split over `group`: ceil(tokens / size) each, the last ones shorter or empty."""
+    per_rank = -(-tokens // group.size())
+    start = min(dist.get_rank(group) * per_rank, tokens)
+    return slice(start, min(start + per_rank, tokens))
+
+
+def _gather_rows(part: torch.Tensor, group, tokens: int) -> torch.Tensor:
+    """Every rank's rows (`_own_rows`) of a tensor of `tokens` rows, in rank order: one all-gather of equal,
+    zero-padded pieces (uneven pieces are what gloo's all-gather lacks)."""
+    per_rank = -(-tokens // group.size())
+    padded = F.pad(part, (0, 0) * (part.dim() - 1) + (0, per_rank - part.shape[0])).contiguous()
+    gathered = padded.new_empty((per_rank * group.size(), *part.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    return gathered[:tokens]
+
+
+class _SliceTokens(torch.autograd.Function):
+    """This tp rank's rows of a tensor every rank of the group holds alike; backward gathers the rows' gradients."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, ctx.tokens = group, full.shape[0]
+        return full[_own_rows(full.shape[0], group)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad.contiguous(), ctx.group, ctx.tokens), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every tp rank's rows, gathered; backward keeps this rank's rows of the gradient, which is the same on
+    every rank of the group."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group, tokens: int) -> torch.Tensor:
+        ctx.group = group
+        return _gather_rows(part, group, tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[_own_rows(grad.shape[0], ctx.group)], None, None
+
+
 def _dispatching_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts' forward under expert parallelism (the module's own signature and result)."""
+    """The ep group's exchange of this rank's tokens (the module's own signature and result)."""
     group = self._ep_group
     ranks, num_tokens, top_k = group.size(), top_k_index.shape[0], top_k_index.shape[1]
     local = self.num_experts // ranks
@@ -136,12 +203,16 @@ def shard_experts(experts: list, fsdp_kwargs: dict, host_collectives: bool) -> N
     """`fully_shard` each experts module over `fsdp_kwargs["mesh"]` (`expert_dp`: the ranks holding the same
     experts), before the layers around them are sharded over every data-parallel rank.
 
-    Gradients: a rank's experts receive the gradient of every token of its ep group that chose them, so a sum
-    over the expert mesh covers each data-parallel rank's tokens once — the same sum every other unit makes
-    over its larger mesh (parallelize.sum_gradients: every unit sums, none divides, the loss carries
-    1 / global tokens). Router weights stay in their dtype (float32) through the experts' forward, as without
-    expert parallelism, where the experts are no FSDP unit of their own. `host_collectives`: CPU ranks gather
-    and reduce through shared memory (plan.cpu_collectives=auto), on a one-dimensional expert mesh."""
+    Gradients: a rank's experts receive the gradient of every token of its ep group that chose them — each token
+    once, from the one tp rank whose slice holds it (a tp group's ranks share their tokens) — so a sum over the
+    expert mesh covers each data-parallel rank's tokens once: the same sum every other unit makes over its
+    larger mesh (parallelize.sum_gradients: every unit sums, none divides, the loss carries 1 / global tokens).
+    Nothing is scaled per unit, so the expert group's size never enters (Hugging Face, which averages
+    gradients, divides the expert units' by dp_size instead of their mesh's size: transformers
+    distributed/fsdp.py, apply_fully_sharded_data_parallelism). Router weights stay in their dtype (float32)
+    through the experts' forward, as without expert parallelism, where the experts are no FSDP unit of their
+    own. `host_collectives`: CPU ranks gather and reduce through shared memory (plan.cpu_collectives=auto), on a
+    one-dimensional expert mesh."""
     mesh = fsdp_kwargs["mesh"]
     policy = dataclasses.replace(fsdp_kwargs["mp_policy"], cast_forward_inputs=False)
     for module in experts:

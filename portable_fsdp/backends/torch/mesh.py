@@ -2,8 +2,9 @@
 
 The world is dp_replicate × fsdp × cp|sp × tp, outermost first (portable_fsdp.plan.MeshSpec), so tp ranks are
 neighbours. The mesh has a dimension for every axis larger than 1, and always one for fsdp (FSDP shards over
-it even when it is 1). With expert parallelism, fsdp is split into efsdp × ep (ep the inner part): the dense
-weights are sharded over both, a MoE layer's experts are split over ep and sharded over efsdp.
+it even when it is 1). With expert parallelism a MoE layer's experts live on a mesh of their own over the same
+ranks (`expert_meshes`): split over ep — ep_size / tp_size of the fsdp ranks times the tp ranks, as Hugging
+Face's DistributedConfig lays out its (efsdp, ep) mesh — and sharded over efsdp, the fsdp ranks left.
 
 FSDP shards parameters over fsdp × cp|sp (every rank of a sequence group holds different tokens, so their
 gradients add up), and under HSDP replicates those shards over dp_replicate.
@@ -30,7 +31,7 @@ class Meshes:
     cp: DeviceMesh | None  # this rank's context-parallel group
     sp: DeviceMesh | None  # this rank's Ulysses sequence-parallel group
     tp: DeviceMesh | None  # this rank's tensor-parallel group
-    ep: DeviceMesh | None  # the ranks a MoE layer's experts are split over (inner part of fsdp)
+    ep: DeviceMesh | None  # the ranks a MoE layer's experts are split over (inner part of fsdp × tp)
     expert_dp: DeviceMesh | None  # what fully_shard gets for expert weights: efsdp × cp|sp (× dp_replicate)
     spec: MeshSpec
     rank: int
@@ -75,13 +76,7 @@ def build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
 
 def mesh_dims(spec: MeshSpec) -> list:
     """(name, size) of the world mesh's dimensions, outermost first."""
-    dims = []
-    for name, size in spec.axes():
-        if name == "fsdp" and spec.ep_size > 1:
-            dims += [("efsdp", size // spec.ep_size), ("ep", spec.ep_size)]
-        elif name == "fsdp" or size > 1:
-            dims.append((name, size))
-    return dims
+    return [(name, size) for name, size in spec.axes() if name == "fsdp" or size > 1]
 
 
 def _build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
@@ -90,8 +85,7 @@ def _build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
     world = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(names))
     sub = lambda name: world[name] if name in names else None  # noqa: E731
     sequence = [name for name in ("cp", "sp") if name in names]
-    fsdp = ["efsdp", "ep"] if spec.ep_size > 1 else ["fsdp"]
-    shard = _flat(world, fsdp + sequence, "dp_shard")
+    shard = _flat(world, ["fsdp"] + sequence, "dp_shard")
     replicate = sub("dp_replicate")
     dp = world["dp_replicate", shard.mesh_dim_names[0]] if replicate is not None else shard
     ep, expert_dp = expert_meshes(spec, device_type) if spec.ep_size > 1 else (None, None)
@@ -101,14 +95,18 @@ def _build_meshes(spec: MeshSpec, device_type: str) -> Meshes:
 
 def expert_meshes(spec: MeshSpec, device_type: str) -> tuple:
     """(ep, expert_dp) on a mesh of their own, the world's ranks reordered so that ep is its last dimension:
-    (dp_replicate, efsdp, cp|sp, tp, ep), dimensions of size 1 left out but efsdp's. FSDP2 composes a weight's
-    ep sharding with its own only over a root mesh where the expert-shard dimensions come before ep, in order;
-    in the world's order (efsdp, ep, cp|sp) efsdp × cp|sp lies on both sides of ep."""
-    sizes = {"dp_replicate": spec.dp_replicate_size, "efsdp": spec.fsdp_size // spec.ep_size, "ep": spec.ep_size,
-             "sequence": spec.sequence_size, "tp": spec.tp_size}
-    ranks = torch.arange(math.prod(sizes.values())).view(*sizes.values()).permute(0, 1, 3, 4, 2)
-    dims = [(name, sizes[name]) for name in ("dp_replicate", "efsdp", "sequence", "tp", "ep")
-            if sizes[name] > 1 or name in ("efsdp", "ep")]
+    (dp_replicate, efsdp, cp|sp, ep), dimensions of size 1 left out but efsdp's and ep's. An ep group is
+    ep_size / tp_size neighbouring fsdp ranks (the inner part of fsdp) times their tp ranks: ep rank
+    = fsdp part × tp_size + tp rank, Hugging Face's layout (transformers distributed/utils.py,
+    initialize_distributed_mesh: efsdp × ep over the ranks of fsdp × tp). FSDP2 composes a weight's ep sharding
+    with its own only over a root mesh where the expert-shard dimensions come before ep, in order; in the
+    world's order (efsdp, ep part, cp|sp, tp) cp|sp lies inside the ep group."""
+    # the world in rank order, fsdp split in two: (dp_replicate, efsdp, ep part, sequence, tp)
+    world = (spec.dp_replicate_size, spec.expert_fsdp_size, spec.ep_fsdp_size, spec.sequence_size, spec.tp_size)
+    ranks = torch.arange(math.prod(world)).view(*world).permute(0, 1, 3, 2, 4)  # the ep part beside tp: ep = both
+    sizes = {"dp_replicate": spec.dp_replicate_size, "efsdp": spec.expert_fsdp_size,
+             "sequence": spec.sequence_size, "ep": spec.ep_size}
+    dims = [(name, size) for name, size in sizes.items() if size > 1 or name in ("efsdp", "ep")]
     mesh = DeviceMesh(device_type, ranks.reshape(*(size for _, size in dims)),
                       mesh_dim_names=tuple(name for name, _ in dims))
     names = [name for name, _ in dims]

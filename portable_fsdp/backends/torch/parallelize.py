@@ -25,7 +25,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
 
     0. float8 (plan.float8): the chosen Linear layers become torchao's Float8Linear (float8 products);
     1. tensor parallelism (meshes.tp): the modules `tp_plan` names split over the tp group;
-    2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group, tokens sent to them;
+    2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group (tp ranks included), each
+       tp rank's share of the tokens sent to them;
     3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
        sequence shards;
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
@@ -41,7 +42,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         apply_float8(model)
     if meshes.tp is not None:
         logits_sharded = apply_tensor_parallel(model, meshes.tp, tp_plan, strict=bool(plan.tp_plan))
-    experts = apply_expert_parallel(model, meshes.ep) if meshes.ep is not None else []
+    experts = apply_expert_parallel(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
     if cp is not None:
         apply_context_parallel(model, cp)
     if sp is not None:

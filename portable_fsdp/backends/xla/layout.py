@@ -3,14 +3,15 @@ this module imports no torch_xla, so the rules are unit-tested in milliseconds).
 
 The mesh has an axis for every axis of the plan, outermost first (portable_fsdp.placement.MESH_AXES):
 dp_replicate, fsdp, ep, cp, sp, tp, the plan's fsdp ranks being the two axes `fsdp` × `ep` (SPMD FSDPv2 wants
-an axis named fsdp: it is the outer part). An axis of size 1 stays in the mesh: a spec naming it splits
-nothing, so the same specs serve every plan.
+an axis named fsdp: it is the outer part; `ep` is the part of fsdp an ep group spans, ep_size / tp_size). An
+axis of size 1 stays in the mesh: a spec naming it splits nothing, so the same specs serve every plan.
 
 - A batch [rows, positions] has its rows over dp_replicate × fsdp × ep (the data-parallel ranks) and its
   positions over cp or sp (whichever splits sequences); every activation between layers likewise.
 - A parameter is spread over every device of a replica (fsdp, ep, cp, sp, tp) and repeated over dp_replicate
   (HSDP). A weight the tensor-parallel plan splits has its output features (colwise) or input features
-  (rowwise) over tp; under expert parallelism an expert weight has its expert dimension over ep; the axes
+  (rowwise) over tp; under expert parallelism an expert weight has its expert dimension over ep × tp (the
+  plan's ep_size ranks, taken from fsdp × tp as Hugging Face takes them); the axes
   left go on the largest remaining dimension they divide, and a tensor too small to be worth it stays whole
   (portable_fsdp.placement: the rules every backend shares).
 - Ulysses sequence parallelism: around attention, q/k/v and the attention output are split by head over sp
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from portable_fsdp import placement
 from portable_fsdp.errors import UserError
-from portable_fsdp.placement import DATA_AXES, SEQUENCE_AXES, SHARD_AXES, TP
+from portable_fsdp.placement import DATA_AXES, EXPERT_AXES, SEQUENCE_AXES, SHARD_AXES, TP
 from portable_fsdp.plan import MeshSpec
 
 if TYPE_CHECKING:
@@ -62,14 +63,14 @@ def head_sharded_spec(ndim: int, head_dim: int) -> tuple:
 
 
 def parameter_spec(shape: tuple, sizes: dict, tp_dim: int | None = None, expert: bool = False) -> tuple:
-    """The partition spec of a parameter of `shape` on a mesh of `sizes` ({axis: size}): dimension 0 over ep for
-    an expert weight, `tp_dim` over tp, and the rest of PARAMETER_AXES on the dimension placement.fsdp_dim picks
-    (none: the parameter is whole over them)."""
+    """The partition spec of a parameter of `shape` on a mesh of `sizes` ({axis: size}): dimension 0 over ep × tp
+    (EXPERT_AXES) for an expert weight, `tp_dim` over tp, and the rest of PARAMETER_AXES on the dimension
+    placement.fsdp_dim picks (none: the parameter is whole over them)."""
     axes = [[] for _ in shape]
     rest = list(PARAMETER_AXES)
     if expert:
-        axes[0].append("ep")
-        rest.remove("ep")
+        axes[0].extend(EXPERT_AXES)
+        rest = [a for a in rest if a not in EXPERT_AXES]
     if tp_dim is not None:
         axes[tp_dim].append("tp")
         rest.remove("tp")
