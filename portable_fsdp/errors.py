@@ -11,12 +11,17 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, field: str, message: str):
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
+        # One line whatever the input held: a key or value read from a file may contain line breaks.
+        self.field = _one_line(field)
+        self.message = _one_line(message)
+        super().__init__(f"{self.field}: {self.message}")
 
     def line(self) -> str:
         return f"error: {self.field}: {self.message}"
+
+
+def _one_line(text: str) -> str:
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
 class Interrupted(Exception):

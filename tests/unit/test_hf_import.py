@@ -610,3 +610,10 @@ def test_parallelism_ep_size_key(config, tmp_path):
     apply_fsdp_file(config, write_yaml(tmp_path, "fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
                                                  "  parallelism_config_ep_size: 2\n"))
     assert config.plan.ep_size == 2
+
+
+def test_a_key_with_a_line_break_is_still_one_error_line(config, tmp_path):
+    path = write_json(tmp_path, {"cpu_\noffload": True})
+    with user_error(f"{path}: cpu_\\noffload", "is not an FSDP setting") as info:
+        apply_fsdp_file(config, path)
+    assert "\n" not in info.value.line()
