@@ -303,6 +303,10 @@ RULES = (
         "xla": Refused("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
                        "does not take (its compute_dtype and fp32_reduce_scatter become plan.param_dtype and "
                        "plan.reduce_dtype); remove them, or set plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
+    # Trainer reads xla_fsdp_grad_ckpt on its XLA FSDP path only (xla: true), and warns otherwise.
+    Rule("plan.xla_fsdp_grad_ckpt", (("plan.xla_fsdp_grad_ckpt", ON), ("plan.xla", Is(False))), dict.fromkeys(
+        TARGETS, NoEffect("Hugging Face reads it only with xla: true (torch_xla's FSDP); set "
+                          "plan.activation_checkpointing=true to recompute each layer, or plan.xla=true"))),
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)),), {
         **dict.fromkeys(TORCH, NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")),
         "flax": NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")}),

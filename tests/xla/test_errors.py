@@ -23,7 +23,7 @@ CASES = [
     (["--config.plan.param_dtype=bfloat16", "--config.plan.reduce_dtype=bfloat16"], "plan.reduce_dtype",
      "set plan.reduce_dtype=float32"),
     (["--config.plan.param_dtype=bfloat16"], "plan.param_dtype", "model.attn_implementation=eager"),
-    (["--config.plan.xla_fsdp_grad_ckpt=true", "--config.train.gradient_checkpointing=true"],
+    (["--config.plan.xla=true", "--config.plan.xla_fsdp_grad_ckpt=true", "--config.train.gradient_checkpointing=true"],
      "plan.xla_fsdp_grad_ckpt", "train.gradient_checkpointing=false"),
     # compute_dtype is plan.param_dtype under SPMD FSDPv2: bf16 then needs eager attention
     ([settings('{"compute_dtype": "bfloat16"}')], "plan.param_dtype", "model.attn_implementation=eager"),

@@ -1,0 +1,53 @@
+"""Hugging Face's TPU fsdp_config files, each as a user has it, read with the meaning Trainer gives them
+(transformers' training_args._process_fsdp_args and integrations/tpu.wrap_model_xla_fsdp): the plan the command
+builds from the file and what its start-up checks say, without a framework. These are decision tests: FSDP v1
+over several processes runs on a TPU only (tests/xla/test_hf_tpu_files.py wraps the model from the same files
+on PJRT CPU devices, beside Trainer's own wrap)."""
+import json
+import warnings
+
+import pytest
+
+from portable_fsdp.config.hf_import import apply_fsdp_file, xla_settings_onto_spmd_plan
+from portable_fsdp.config.schema import load_recipe
+from portable_fsdp.config.validate import check_backend, resolve_plan
+from tests.conftest import TEST_RECIPE
+from tests.unit._helpers import user_error
+
+
+def start(tmp_path, fsdp_config: dict | None, backend="xla", device="TPU", nproc=4):
+    """The command's steps up to its start-up checks: the recipe, the file, the xla backend's own reading of it,
+    the plan, the capability table. Returns (config, plan, [warning messages])."""
+    config = load_recipe(TEST_RECIPE)
+    config.model.attn_implementation = "eager"  # bf16 under SPMD is autocast, which needs eager attention
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fsdp_config is not None:
+            path = tmp_path / "fsdp.json"
+            path.write_text(json.dumps(fsdp_config))
+            apply_fsdp_file(config, str(path))
+        if backend == "xla":
+            xla_settings_onto_spmd_plan(config)  # the xla backend's prepare_config
+        plan = resolve_plan(config, nproc)
+        check_backend(config, plan, backend, device, nproc)
+    return config, plan, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("xla", "TPU"), ("flax", "cpu")])
+def test_xla_fsdp_grad_ckpt_without_xla_is_one_warning_and_checkpoints_nothing(tmp_path, backend, device):
+    _, plan, said = start(tmp_path, {"xla_fsdp_grad_ckpt": True}, backend=backend, device=device)
+    assert not plan.activation_checkpointing
+    assert said == [f"plan.xla_fsdp_grad_ckpt has no effect on --backend {backend}: Hugging Face reads it only with "
+                    "xla: true (torch_xla's FSDP); set plan.activation_checkpointing=true to recompute each layer, or "
+                    "plan.xla=true"]
+
+
+def test_xla_fsdp_grad_ckpt_without_xla_does_not_clash_with_the_models_checkpointing(tmp_path):
+    """Read with xla: true only: without it, nothing recomputes twice beside train.gradient_checkpointing."""
+    config = load_recipe(TEST_RECIPE)
+    config.plan.xla_fsdp_grad_ckpt = True
+    config.train.gradient_checkpointing = True
+    assert not resolve_plan(config, 2).activation_checkpointing
+    config.plan.xla = True
+    with user_error("plan.xla_fsdp_grad_ckpt", "set train.gradient_checkpointing=false"):
+        resolve_plan(config, 2)
