@@ -300,9 +300,10 @@ RULES = (
         **dict.fromkeys(TORCH, NoEffect("they are torch_xla's settings, read by --backend xla only")),
         "flax": NoEffect("they are torch_xla's settings, read by --backend xla only"),
         # compute_dtype and fp32_reduce_scatter became plan fields before this check (hf_import)
-        "xla": Refused("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
-                       "does not take (its compute_dtype and fp32_reduce_scatter become plan.param_dtype and "
-                       "plan.reduce_dtype); remove them, or set plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
+        "xla": NoEffect("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
+                        "does not take, so they are ignored as Hugging Face ignores them with xla_fsdp_v2 (its "
+                        "compute_dtype and fp32_reduce_scatter became plan.param_dtype and plan.reduce_dtype); set "
+                        "plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
     # Trainer reads xla_fsdp_grad_ckpt on its XLA FSDP path only (xla: true), and warns otherwise.
     Rule("plan.xla_fsdp_grad_ckpt", (("plan.xla_fsdp_grad_ckpt", ON), ("plan.xla", Is(False))), dict.fromkeys(
         TARGETS, NoEffect("Hugging Face reads it only with xla: true (torch_xla's FSDP); set "

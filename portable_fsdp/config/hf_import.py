@@ -171,8 +171,10 @@ def xla_settings_onto_spmd_plan(config) -> None:
     """Hugging Face's TPU fsdp_config (`xla: true`, `xla_fsdp_settings`, `xla_fsdp_grad_ckpt`) is written for
     torch_xla's FSDP v1. Under SPMD FSDPv2 (plan.xla_fsdp_v2, the xla backend's default) the settings that have
     a plan meaning move onto the plan: `compute_dtype` -> plan.param_dtype, `fp32_reduce_scatter` ->
-    plan.reduce_dtype (float32, or the compute dtype). Any other key is FSDP v1's alone, and the xla backend
-    refuses it by name. A contradiction with a plan field the user set is an error naming both."""
+    plan.reduce_dtype (float32, or the compute dtype): Trainer drops them there, but a run the file asks to compute
+    in bfloat16 must not silently train in float32. Any other key is FSDP v1's alone: ignored with one warning, as
+    Trainer ignores xla_fsdp_settings under FSDPv2 (portable_fsdp/capabilities.py). A contradiction with a plan
+    field the user set is an error naming both."""
     settings = config.plan.xla_fsdp_settings.to_dict()
     if not config.plan.xla_fsdp_v2 or not {"compute_dtype", "fp32_reduce_scatter"} & set(settings):
         return

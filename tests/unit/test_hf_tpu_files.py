@@ -15,6 +15,10 @@ from tests.conftest import TEST_RECIPE
 from tests.unit._helpers import user_error
 
 
+V2_FILE = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True,
+           "xla_fsdp_settings": {"compute_dtype": "bfloat16", "shard_param_on_dim_0": True, "flatten_parameters": True}}
+
+
 def start(tmp_path, fsdp_config: dict | None, backend="xla", device="TPU", nproc=4):
     """The command's steps up to its start-up checks: the recipe, the file, the xla backend's own reading of it,
     the plan, the capability table. Returns (config, plan, [warning messages])."""
@@ -31,6 +35,16 @@ def start(tmp_path, fsdp_config: dict | None, backend="xla", device="TPU", nproc
         plan = resolve_plan(config, nproc)
         check_backend(config, plan, backend, device, nproc)
     return config, plan, [str(w.message) for w in caught]
+
+
+def test_under_v2_the_settings_trainer_ignores_are_one_warning_not_an_error(tmp_path):
+    config, plan, said = start(tmp_path, V2_FILE)
+    assert plan.mixed_precision.param_dtype == "bfloat16"  # compute_dtype: not silently float32
+    assert plan.activation_checkpointing
+    (warning,) = said
+    assert warning.startswith("plan.xla_fsdp_settings has no effect on --backend xla: {'flatten_parameters': "
+                              "True, 'shard_param_on_dim_0': True}: options of torch_xla's FSDP v1")
+    assert "ignored as Hugging Face ignores them with xla_fsdp_v2" in warning
 
 
 @pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("xla", "TPU"), ("flax", "cpu")])
