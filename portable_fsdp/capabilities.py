@@ -311,6 +311,11 @@ RULES = (
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)),), {
         **dict.fromkeys(TORCH, NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")),
         "flax": NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")}),
+    Rule("plan.xla_fsdp_v2", (("plan.xla", ON), ("plan.xla_fsdp_v2", Is(False))), {
+        "xla_v1": Caution("torch_xla's FSDP v1 (one process per device), which a Hugging Face fsdp_config with "
+                          "xla: true runs unless it sets xla_fsdp_v2; SPMD FSDPv2 is recommended (one process per "
+                          "host, every plan axis, the model built shard by shard): write \"xla_fsdp_v2\": true in "
+                          "the file, or --config.plan.xla_fsdp_v2=true")}),
     # ---- where and how many (FSDP v1 runs one process per device)
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)), ("device", NoneOf(("cpu", "tpu")))), {
         "xla_v1": Refused("= false (FSDP v1) is launched on CPU and TPU only, not on PJRT device {device}; use "
@@ -318,7 +323,8 @@ RULES = (
     Rule("--nproc", (("device", Is("cpu")), ("--nproc", Above(1))), {
         "xla_v1": Refused("{value}: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device, and "
                           "multi-process PJRT CPU collectives abort in torch_xla 2.9; use --nproc 1 on the CPU, or "
-                          "SPMD FSDPv2 (plan.xla_fsdp_v2=true) for several CPU devices")}),
+                          "SPMD FSDPv2 for several CPU devices (plan.xla_fsdp_v2=true; in a Hugging Face "
+                          "fsdp_config \"xla_fsdp_v2\": true)")}),
     # ---- training fields a lowering does not have
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "

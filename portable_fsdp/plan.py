@@ -142,7 +142,8 @@ class XlaSettings:
                                               "plan.xla=true only (as Hugging Face reads it)",
                                        hf=("xla_fsdp_grad_ckpt",))
     xla_fsdp_v2: bool = setting(True, "--backend xla: SPMD FSDPv2 (one process per host); false = FSDP v1 (one "
-                                      "process per device)", hf=("xla_fsdp_v2",))
+                                      "process per device), what a Hugging Face fsdp_config with xla: true and no "
+                                      "xla_fsdp_v2 runs", hf=("xla_fsdp_v2",))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,7 @@ def apply_fsdp_file(config, path: str) -> None:
         if not isinstance(data, dict):
             raise UserError("--fsdp_config", f"{path} must hold a JSON object of FSDP settings")
         apply_fsdp_dict(config, data, path)
+        apply_hf_xla_path(config, data, path)
 
 
 def _load_yaml(text: str, path: str) -> dict:
@@ -165,6 +166,17 @@ def apply_fsdp_option(config, text: str) -> None:
             words = [*FSDP_OPTION_WORDS, *(name.lower() for name in HYBRID_STRATEGIES)]
             raise UserError(source, f"is not an fsdp option; choose from {', '.join(words)}")
         set_field(config, *FSDP_OPTION_WORDS[word], source)
+
+
+def apply_hf_xla_path(config, data: dict, path: str) -> None:
+    """What Trainer does with a fsdp_config that says `xla: true` (transformers' training_args._process_fsdp_args
+    and integrations/tpu.wrap_model_xla_fsdp): torch_xla's FSDP v1 unless the file sets `xla_fsdp_v2` (its
+    default is false). Runs after apply_fsdp_dict, on the values it set."""
+    keys = {_strip_prefix(key) for key in data}
+    if "xla" not in keys or not config.plan.xla:
+        return
+    if "xla_fsdp_v2" not in keys:
+        set_field(config, "plan.xla_fsdp_v2", False, f"{path}: xla")
 
 
 def xla_settings_onto_spmd_plan(config) -> None:

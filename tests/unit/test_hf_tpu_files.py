@@ -14,7 +14,10 @@ from portable_fsdp.config.validate import check_backend, resolve_plan
 from tests.conftest import TEST_RECIPE
 from tests.unit._helpers import user_error
 
-
+# The TPU fsdp_config of Hugging Face's guide, verbatim (no xla_fsdp_v2: Trainer's default, false, is FSDP v1).
+GUIDE_FILE = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla": True,
+              "xla_fsdp_settings": {"compute_dtype": "bfloat16", "fp32_reduce_scatter": True},
+              "xla_fsdp_grad_ckpt": True}
 V2_FILE = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True,
            "xla_fsdp_settings": {"compute_dtype": "bfloat16", "shard_param_on_dim_0": True, "flatten_parameters": True}}
 
@@ -35,6 +38,36 @@ def start(tmp_path, fsdp_config: dict | None, backend="xla", device="TPU", nproc
         plan = resolve_plan(config, nproc)
         check_backend(config, plan, backend, device, nproc)
     return config, plan, [str(w.message) for w in caught]
+
+
+def test_the_guides_file_runs_fsdp_v1_with_its_settings_and_recommends_v2(tmp_path):
+    config, plan, said = start(tmp_path, GUIDE_FILE)
+    assert plan.xla.xla_fsdp_v2 is False  # as Trainer: xla_fsdp_v2 defaults to false
+    assert plan.xla.xla_fsdp_settings == GUIDE_FILE["xla_fsdp_settings"]  # FSDP v1's options, not refused
+    assert plan.mixed_precision.param_dtype == "float32"  # v1 reads compute_dtype itself
+    assert plan.activation_checkpointing
+    (warning,) = said
+    assert warning.startswith("plan.xla_fsdp_v2=false: torch_xla's FSDP v1 (one process per device), which a "
+                              "Hugging Face fsdp_config with xla: true runs unless it sets xla_fsdp_v2")
+    assert warning.endswith('write "xla_fsdp_v2": true in the file, or --config.plan.xla_fsdp_v2=true')
+
+
+def test_without_a_file_the_xla_backend_keeps_spmd_fsdpv2(tmp_path):
+    _, plan, said = start(tmp_path, None)
+    assert plan.xla.xla_fsdp_v2 is True and said == []
+
+
+def test_an_explicit_xla_fsdp_v2_in_the_file_wins(tmp_path):
+    assert start(tmp_path, {**GUIDE_FILE, "xla_fsdp_v2": True})[1].xla.xla_fsdp_v2 is True
+    assert start(tmp_path, {**GUIDE_FILE, "xla_fsdp_v2": False})[1].xla.xla_fsdp_v2 is False
+
+
+def test_the_guides_file_on_several_pjrt_cpu_devices_says_what_to_write_instead(tmp_path):
+    """Several FSDP v1 processes abort in torch_xla 2.9's CPU collectives: one line, before anything starts."""
+    with user_error("--nproc", 'SPMD FSDPv2 for several CPU devices (plan.xla_fsdp_v2=true; in a Hugging Face '
+                               'fsdp_config "xla_fsdp_v2": true)'):
+        start(tmp_path, GUIDE_FILE, device="CPU", nproc=2)
+    assert start(tmp_path, GUIDE_FILE, device="CPU", nproc=1)[1].xla.xla_fsdp_v2 is False  # one device runs
 
 
 def test_under_v2_the_settings_trainer_ignores_are_one_warning_not_an_error(tmp_path):
