@@ -171,12 +171,20 @@ def apply_fsdp_option(config, text: str) -> None:
 def apply_hf_xla_path(config, data: dict, path: str) -> None:
     """What Trainer does with a fsdp_config that says `xla: true` (transformers' training_args._process_fsdp_args
     and integrations/tpu.wrap_model_xla_fsdp): torch_xla's FSDP v1 unless the file sets `xla_fsdp_v2` (its
-    default is false). Runs after apply_fsdp_dict, on the values it set."""
+    default is false), and a positive `min_num_params` wraps by size, whatever `auto_wrap_policy` says (that path
+    does not read it). Runs after apply_fsdp_dict, on the values it set."""
     keys = {_strip_prefix(key) for key in data}
     if "xla" not in keys or not config.plan.xla:
         return
     if "xla_fsdp_v2" not in keys:
         set_field(config, "plan.xla_fsdp_v2", False, f"{path}: xla")
+    if config.plan.min_num_params > 0:
+        policy = str(config.plan.auto_wrap_policy).upper()
+        if "auto_wrap_policy" in keys and policy != "SIZE_BASED_WRAP":
+            warnings.warn(f"{path}: auto_wrap_policy {policy} is not read with xla: true; min_num_params="
+                          f"{config.plan.min_num_params} wraps by size, as Hugging Face's XLA FSDP does",
+                          stacklevel=3)
+        set_field(config, "plan.auto_wrap_policy", "SIZE_BASED_WRAP", f"{path}: min_num_params")
 
 
 def xla_settings_onto_spmd_plan(config) -> None:

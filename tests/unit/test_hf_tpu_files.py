@@ -11,6 +11,7 @@ import pytest
 from portable_fsdp.config.hf_import import apply_fsdp_file, xla_settings_onto_spmd_plan
 from portable_fsdp.config.schema import load_recipe
 from portable_fsdp.config.validate import check_backend, resolve_plan
+from portable_fsdp.plan import WrapPolicy
 from tests.conftest import TEST_RECIPE
 from tests.unit._helpers import user_error
 
@@ -20,6 +21,7 @@ GUIDE_FILE = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla"
               "xla_fsdp_grad_ckpt": True}
 V2_FILE = {"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True,
            "xla_fsdp_settings": {"compute_dtype": "bfloat16", "shard_param_on_dim_0": True, "flatten_parameters": True}}
+SIZE_FILE = {"xla": True, "min_num_params": 20000}
 
 
 def start(tmp_path, fsdp_config: dict | None, backend="xla", device="TPU", nproc=4):
@@ -78,6 +80,20 @@ def test_under_v2_the_settings_trainer_ignores_are_one_warning_not_an_error(tmp_
     assert warning.startswith("plan.xla_fsdp_settings has no effect on --backend xla: {'flatten_parameters': "
                               "True, 'shard_param_on_dim_0': True}: options of torch_xla's FSDP v1")
     assert "ignored as Hugging Face ignores them with xla_fsdp_v2" in warning
+
+
+def test_min_num_params_with_xla_wraps_by_size_as_trainers_xla_path(tmp_path):
+    _, plan, said = start(tmp_path, SIZE_FILE)
+    assert (plan.auto_wrap_policy, plan.min_num_params) == (WrapPolicy.SIZE_BASED_WRAP, 20000)
+    _, plan, _ = start(tmp_path, {"min_num_params": 20000}, backend="cpu", device="cpu", nproc=2)
+    assert plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP  # Accelerate's path reads auto_wrap_policy
+
+
+def test_with_xla_an_auto_wrap_policy_beside_min_num_params_is_not_read_and_says_so(tmp_path):
+    _, plan, said = start(tmp_path, {**SIZE_FILE, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+    assert plan.auto_wrap_policy == WrapPolicy.SIZE_BASED_WRAP
+    assert said[0] == (f"{tmp_path / 'fsdp.json'}: auto_wrap_policy TRANSFORMER_BASED_WRAP is not read with xla: "
+                       "true; min_num_params=20000 wraps by size, as Hugging Face's XLA FSDP does")
 
 
 @pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("xla", "TPU"), ("flax", "cpu")])

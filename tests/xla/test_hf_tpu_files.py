@@ -5,7 +5,7 @@ the decision on one device — the units, the checkpointed layers and XlaFullySh
 arguments — and the multi-process run is the TPU's (tests/xla/test_tpu.py)."""
 import json
 
-from tests.unit.test_hf_tpu_files import GUIDE_FILE
+from tests.unit.test_hf_tpu_files import GUIDE_FILE, SIZE_FILE
 from tests.xla.helpers import run_script
 
 
@@ -26,3 +26,10 @@ def test_the_guides_file_is_fsdp_v1_with_trainers_units_checkpointing_and_option
     assert trainer["kwargs"] == {"compute_dtype": "torch.bfloat16", "fp32_reduce_scatter": True}
     assert {key: ours["kwargs"][key] for key in trainer["kwargs"]} == trainer["kwargs"]
 
+
+def test_min_num_params_wraps_by_size_on_spmd_fsdpv2_as_trainer(tmp_path):
+    found = wrapped(tmp_path, {**SIZE_FILE, "xla_fsdp_v2": True}, 2)
+    ours, trainer = found["ours"], found["hugging_face"]
+    assert ours["v2"] is trainer["v2"] is True
+    assert ours["units"] == trainer["units"]
+    assert "model.layers.0.mlp" in ours["units"] and "model.layers.0" not in ours["units"]  # by size, not by layer
