@@ -300,12 +300,22 @@ RULES = (
         **dict.fromkeys(TORCH, NoEffect("they are torch_xla's settings, read by --backend xla only")),
         "flax": NoEffect("they are torch_xla's settings, read by --backend xla only"),
         # compute_dtype and fp32_reduce_scatter became plan fields before this check (hf_import)
-        "xla": Refused("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
-                       "does not take (its compute_dtype and fp32_reduce_scatter become plan.param_dtype and "
-                       "plan.reduce_dtype); remove them, or set plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
+        "xla": NoEffect("{value}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD FSDPv2 "
+                        "does not take, so they are ignored as Hugging Face ignores them with xla_fsdp_v2 (its "
+                        "compute_dtype and fp32_reduce_scatter became plan.param_dtype and plan.reduce_dtype); set "
+                        "plan.xla_fsdp_v2=false to run FSDP v1 with them")}),
+    # Trainer reads xla_fsdp_grad_ckpt on its XLA FSDP path only (xla: true), and warns otherwise.
+    Rule("plan.xla_fsdp_grad_ckpt", (("plan.xla_fsdp_grad_ckpt", ON), ("plan.xla", Is(False))), dict.fromkeys(
+        TARGETS, NoEffect("Hugging Face reads it only with xla: true (torch_xla's FSDP); set "
+                          "plan.activation_checkpointing=true to recompute each layer, or plan.xla=true"))),
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)),), {
         **dict.fromkeys(TORCH, NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")),
         "flax": NoEffect("it chooses between torch_xla's FSDP versions, on --backend xla only")}),
+    Rule("plan.xla_fsdp_v2", (("plan.xla", ON), ("plan.xla_fsdp_v2", Is(False))), {
+        "xla_v1": Caution("torch_xla's FSDP v1 (one process per device), which a Hugging Face fsdp_config with "
+                          "xla: true runs unless it sets xla_fsdp_v2; SPMD FSDPv2 is recommended (one process per "
+                          "host, every plan axis, the model built shard by shard): write \"xla_fsdp_v2\": true in "
+                          "the file, or --config.plan.xla_fsdp_v2=true")}),
     # ---- where and how many (FSDP v1 runs one process per device)
     Rule("plan.xla_fsdp_v2", (("plan.xla_fsdp_v2", Is(False)), ("device", NoneOf(("cpu", "tpu")))), {
         "xla_v1": Refused("= false (FSDP v1) is launched on CPU and TPU only, not on PJRT device {device}; use "
@@ -313,7 +323,8 @@ RULES = (
     Rule("--nproc", (("device", Is("cpu")), ("--nproc", Above(1))), {
         "xla_v1": Refused("{value}: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device, and "
                           "multi-process PJRT CPU collectives abort in torch_xla 2.9; use --nproc 1 on the CPU, or "
-                          "SPMD FSDPv2 (plan.xla_fsdp_v2=true) for several CPU devices")}),
+                          "SPMD FSDPv2 for several CPU devices (plan.xla_fsdp_v2=true; in a Hugging Face "
+                          "fsdp_config \"xla_fsdp_v2\": true)")}),
     # ---- training fields a lowering does not have
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "

@@ -188,10 +188,12 @@ class XlaSettings:
     xla: bool = setting(False, "Hugging Face's switch to torch_xla's FSDP (--backend xla)", hf=("xla",))
     xla_fsdp_settings: dict = setting({}, "keyword arguments for torch_xla's FSDP (a mapping)",
                                       hf=("xla_fsdp_settings",))
-    xla_fsdp_grad_ckpt: bool = setting(False, "Hugging Face's XLA spelling of activation_checkpointing",
+    xla_fsdp_grad_ckpt: bool = setting(False, "Hugging Face's XLA spelling of activation_checkpointing, read with "
+                                              "plan.xla=true only (as Hugging Face reads it)",
                                        hf=("xla_fsdp_grad_ckpt",))
     xla_fsdp_v2: bool = setting(True, "--backend xla: SPMD FSDPv2 (one process per host); false = FSDP v1 (one "
-                                      "process per device)", hf=("xla_fsdp_v2",))
+                                      "process per device), what a Hugging Face fsdp_config with xla: true and no "
+                                      "xla_fsdp_v2 runs", hf=("xla_fsdp_v2",))
 
 
 @dataclasses.dataclass(frozen=True)

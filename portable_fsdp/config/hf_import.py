@@ -56,6 +56,7 @@ def apply_fsdp_file(config, path: str) -> None:
         if not isinstance(data, dict):
             raise UserError("--fsdp_config", f"{path} must hold a JSON object of FSDP settings")
         apply_fsdp_dict(config, data, path)
+        apply_hf_xla_path(config, data, path)
 
 
 def load_yaml(text: str, path: str) -> dict:
@@ -295,12 +296,32 @@ def apply_fsdp_option(config, option) -> None:
             raise UserError(source, f"is not an fsdp option; choose from {', '.join([*STRATEGY_WORDS, *FSDP_OPTION_WORDS])}")
 
 
+def apply_hf_xla_path(config, data: dict, path: str) -> None:
+    """What Trainer does with a fsdp_config that says `xla: true` (transformers' training_args._process_fsdp_args
+    and integrations/tpu.wrap_model_xla_fsdp): torch_xla's FSDP v1 unless the file sets `xla_fsdp_v2` (its
+    default is false), and a positive `min_num_params` wraps by size, whatever `auto_wrap_policy` says (that path
+    does not read it). Runs after apply_fsdp_dict, on the values it set."""
+    keys = {_strip_prefix(key) for key in data}
+    if "xla" not in keys or not config.plan.xla:
+        return
+    if "xla_fsdp_v2" not in keys:
+        set_field(config, "plan.xla_fsdp_v2", False, f"{path}: xla")
+    if config.plan.min_num_params > 0:
+        policy = str(config.plan.auto_wrap_policy).upper()
+        if "auto_wrap_policy" in keys and policy != "SIZE_BASED_WRAP":
+            notify(f"{path}: auto_wrap_policy {policy} is not read with xla: true; min_num_params="
+                   f"{config.plan.min_num_params} wraps by size, as Hugging Face's XLA FSDP does")
+        set_field(config, "plan.auto_wrap_policy", "SIZE_BASED_WRAP", f"{path}: min_num_params")
+
+
 def xla_settings_onto_spmd_plan(config) -> None:
     """Hugging Face's TPU fsdp_config (`xla: true`, `xla_fsdp_settings`, `xla_fsdp_grad_ckpt`) is written for
     torch_xla's FSDP v1. Under SPMD FSDPv2 (plan.xla_fsdp_v2, the xla backend's default) the settings that have
     a plan meaning move onto the plan: `compute_dtype` -> plan.param_dtype, `fp32_reduce_scatter` ->
-    plan.reduce_dtype (float32, or the compute dtype). Any other key is FSDP v1's alone, and the xla backend
-    refuses it by name. A contradiction with a plan field the user set is an error naming both."""
+    plan.reduce_dtype (float32, or the compute dtype): Trainer drops them there, but a run the file asks to compute
+    in bfloat16 must not silently train in float32. Any other key is FSDP v1's alone: ignored with one warning, as
+    Trainer ignores xla_fsdp_settings under FSDPv2 (portable_fsdp/capabilities.py). A contradiction with a plan
+    field the user set is an error naming both."""
     settings = config.plan.xla_fsdp_settings.to_dict()
     if not config.plan.xla_fsdp_v2 or not {"compute_dtype", "fp32_reduce_scatter"} & set(settings):
         return

@@ -20,13 +20,14 @@ from portable_fsdp.training.sequence_split import check_divisible
 def plan_from_config(config) -> plan_lib.ShardingPlan:
     """The plan the config's `plan` section declares (every field as plan.py declares it), validated."""
     p = config.plan
-    if p.xla_fsdp_grad_ckpt and config.train.gradient_checkpointing:  # name the field the user set
+    hf_grad_ckpt = p.xla_fsdp_grad_ckpt and p.xla  # Hugging Face reads it with xla: true only (warned otherwise)
+    if hf_grad_ckpt and config.train.gradient_checkpointing:  # name the field the user set
         raise UserError("plan.xla_fsdp_grad_ckpt", (
             "is on together with train.gradient_checkpointing; they recompute the same activations twice: keep "
             "plan.xla_fsdp_grad_ckpt and set train.gradient_checkpointing=false"))
     values = {field.name: field.from_config(p[field.name]) for field in plan_lib.plan_fields()}
-    # HF's XLA spelling of the same request: honoured by every backend, not only xla.
-    values["activation_checkpointing"] = p.activation_checkpointing or p.xla_fsdp_grad_ckpt
+    # HF's XLA spelling of the same request: with xla: true, honoured by every backend, not only xla.
+    values["activation_checkpointing"] = p.activation_checkpointing or hf_grad_ckpt
     plan = plan_lib.build(plan_lib.ShardingPlan, values)
     plan.validate(model_gradient_checkpointing=config.train.gradient_checkpointing)
     return plan

@@ -48,7 +48,7 @@ VARIANTS = {
     "reshard_off": Variant({"plan.reshard_after_forward": "false"}),
     "cpu_offload": Variant({"plan.cpu_offload": "true"}),
     "activation_checkpointing": Variant(CHECKPOINTING),
-    "hf_grad_ckpt": Variant({"plan.xla_fsdp_grad_ckpt": "true"}),
+    "hf_grad_ckpt": Variant({"plan.xla": "true", "plan.xla_fsdp_grad_ckpt": "true"}),  # read with xla: true only
     "model_grad_ckpt": Variant({"train.gradient_checkpointing": "true"}),  # transformers' own, not the plan's
     "bf16": Variant({"plan.param_dtype": "bfloat16"}),
     "bf16_eager": Variant({"plan.param_dtype": "bfloat16", "model.attn_implementation": "eager"}),

@@ -514,8 +514,11 @@ HF_TPU_CONFIG = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "x
                  "xla_fsdp_grad_ckpt": True}
 
 
+HF_TPU_V2_CONFIG = {**HF_TPU_CONFIG, "xla_fsdp_v2": True}
+
+
 def test_hf_tpu_config_on_spmd_fsdpv2_moves_its_settings_onto_the_plan(config, tmp_path):
-    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    apply_quietly(config, write_json(tmp_path, HF_TPU_V2_CONFIG))
     xla_settings_onto_spmd_plan(config)
     assert config.plan.param_dtype == "bfloat16" and config.plan.reduce_dtype == "float32"
     assert config.plan.xla_fsdp_settings.to_dict() == {}  # nothing left for FSDP v1 options
@@ -524,14 +527,14 @@ def test_hf_tpu_config_on_spmd_fsdpv2_moves_its_settings_onto_the_plan(config, t
 
 
 def test_hf_tpu_config_with_fsdp_v1_keeps_its_settings(config, tmp_path):
-    apply_quietly(config, write_json(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_v2": False}))
+    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))  # FSDP v1: no xla_fsdp_v2, as Trainer reads it
     xla_settings_onto_spmd_plan(config)
     assert config.plan.param_dtype == "float32"  # FSDP v1 reads compute_dtype itself
     assert config.plan.xla_fsdp_settings.to_dict() == HF_TPU_CONFIG["xla_fsdp_settings"]
 
 
 def test_hf_tpu_config_contradicting_the_plan_names_both(config, tmp_path):
-    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    apply_quietly(config, write_json(tmp_path, HF_TPU_V2_CONFIG))
     config.plan.param_dtype = "float16"
     with user_error("plan.xla_fsdp_settings", "key 'compute_dtype' = bfloat16 contradicts plan.param_dtype=float16"):
         xla_settings_onto_spmd_plan(config)
@@ -539,7 +542,7 @@ def test_hf_tpu_config_contradicting_the_plan_names_both(config, tmp_path):
 
 def test_fp32_reduce_scatter_false_means_reducing_in_the_compute_dtype(config, tmp_path):
     settings = {"compute_dtype": "torch.bfloat16", "fp32_reduce_scatter": False}
-    apply_quietly(config, write_json(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_settings": settings}))
+    apply_quietly(config, write_json(tmp_path, {**HF_TPU_V2_CONFIG, "xla_fsdp_settings": settings}))
     xla_settings_onto_spmd_plan(config)
     assert (config.plan.param_dtype, config.plan.reduce_dtype) == ("bfloat16", "bfloat16")
 
@@ -552,7 +555,7 @@ def test_trainer_fsdp_option_string_with_two_strategies(config):
 
 
 def test_fp32_reduce_scatter_contradicting_the_plan_names_both(config, tmp_path):
-    apply_quietly(config, write_json(tmp_path, HF_TPU_CONFIG))
+    apply_quietly(config, write_json(tmp_path, HF_TPU_V2_CONFIG))
     config.plan.reduce_dtype = "bfloat16"
     with user_error("plan.xla_fsdp_settings", "key 'fp32_reduce_scatter' = true contradicts plan.reduce_dtype=bfloat16"):
         xla_settings_onto_spmd_plan(config)

@@ -70,35 +70,60 @@ def test_fsdp_v1_command_on_one_device(tmp_path):
     assert "xla, 1 rank(s)" in proc.stdout
 
 
-# The TPU fsdp_config of Hugging Face's guide, as TPU users have it (their model's layer class).
+# The TPU fsdp_config of Hugging Face's guide, as TPU users have it (their model's layer class): no xla_fsdp_v2, so
+# FSDP v1, as in Trainer.
 HF_TPU_CONFIG = {"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla": True,
                  "xla_fsdp_settings": {"compute_dtype": "bfloat16", "fp32_reduce_scatter": True},
                  "xla_fsdp_grad_ckpt": True}
+RECOMMENDS_V2 = ("plan.xla_fsdp_v2=false: torch_xla's FSDP v1 (one process per device), which a Hugging Face "
+                 "fsdp_config with xla: true runs unless it sets xla_fsdp_v2")
 
 
-def hf_tpu_run(tmp_path, *args):
+def hf_tpu_run(tmp_path, fsdp_config, *args, nproc=2):
     fsdp_json = tmp_path / "fsdp.json"
-    fsdp_json.write_text(json.dumps(HF_TPU_CONFIG))
-    return cli(["--fsdp_config", str(fsdp_json), "--nproc", "2", "--config", TEST_RECIPE, "--workdir",
+    fsdp_json.write_text(json.dumps(fsdp_config))
+    return cli(["--fsdp_config", str(fsdp_json), "--nproc", str(nproc), "--config", TEST_RECIPE, "--workdir",
                 str(tmp_path / "run"), *args], cwd=tmp_path, env=ENV)  # --backend auto
 
 
-def test_the_hf_tpu_fsdp_config_chooses_xla_and_names_the_attention_fix(tmp_path):
-    proc = hf_tpu_run(tmp_path)
+def test_the_hf_tpu_fsdp_config_on_cpu_devices_says_what_to_write_instead(tmp_path):
+    """FSDP v1 on several PJRT CPU devices aborts in torch_xla 2.9: one line at start-up. With xla_fsdp_v2 the file
+    runs SPMD FSDPv2, where its compute_dtype is bf16 autocast: the attention fix is named."""
+    errors = lambda proc: [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # noqa: E731
+    proc = hf_tpu_run(tmp_path, HF_TPU_CONFIG)
     assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: plan.param_dtype: bfloat16 under SPMD FSDPv2 is torch_xla's autocast, which does not "
-                      "cover scaled_dot_product_attention (it would get mixed float32/bfloat16 inputs); set "
-                      "model.attn_implementation=eager, or use FSDP v1 (plan.xla_fsdp_v2=false), which casts the "
-                      "parameters"]
+    assert errors(proc) == ["error: --nproc: 2: FSDP v1 (plan.xla_fsdp_v2=false) runs one process per device, and "
+                            "multi-process PJRT CPU collectives abort in torch_xla 2.9; use --nproc 1 on the CPU, or "
+                            "SPMD FSDPv2 for several CPU devices (plan.xla_fsdp_v2=true; in a Hugging Face "
+                            'fsdp_config "xla_fsdp_v2": true)']
+    proc = hf_tpu_run(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_v2": True})
+    assert proc.returncode == 2
+    assert errors(proc) == ["error: plan.param_dtype: bfloat16 under SPMD FSDPv2 is torch_xla's autocast, which does "
+                            "not cover scaled_dot_product_attention (it would get mixed float32/bfloat16 inputs); set "
+                            "model.attn_implementation=eager, or use FSDP v1 (plan.xla_fsdp_v2=false), which casts "
+                            "the parameters"]
     assert not (tmp_path / "run").exists()  # nothing written
 
 
 @pytest.mark.slow
-def test_the_hf_tpu_fsdp_config_trains_on_spmd_fsdpv2(tmp_path):
-    proc = hf_tpu_run(tmp_path, "--config.model.attn_implementation=eager", "--config.train.steps=5")
+def test_the_hf_tpu_fsdp_config_trains_fsdp_v1_on_one_device_and_recommends_v2(tmp_path):
+    proc = hf_tpu_run(tmp_path, HF_TPU_CONFIG, "--config.train.steps=5", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "xla, 2 rank(s)" in proc.stdout  # --backend auto took xla from `xla: true`
+    assert "xla, 1 rank(s)" in proc.stdout  # --backend auto took xla from `xla: true`
+    assert proc.stderr.count(RECOMMENDS_V2) == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [5]
+
+
+@pytest.mark.slow
+def test_the_hf_tpu_fsdp_config_trains_on_spmd_fsdpv2_ignoring_v1_options(tmp_path):
+    settings = {**HF_TPU_CONFIG["xla_fsdp_settings"], "shard_param_on_dim_0": True}
+    proc = hf_tpu_run(tmp_path, {**HF_TPU_CONFIG, "xla_fsdp_v2": True, "xla_fsdp_settings": settings},
+                      "--config.model.attn_implementation=eager", "--config.train.steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "xla, 2 rank(s)" in proc.stdout
+    assert proc.stderr.count("plan.xla_fsdp_settings has no effect on --backend xla: {'shard_param_on_dim_0': True}: "
+                             "options of torch_xla's FSDP v1") == 1
+    assert RECOMMENDS_V2 not in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [5]
 
 

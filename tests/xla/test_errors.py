@@ -23,14 +23,10 @@ CASES = [
     (["--config.plan.param_dtype=bfloat16", "--config.plan.reduce_dtype=bfloat16"], "plan.reduce_dtype",
      "set plan.reduce_dtype=float32"),
     (["--config.plan.param_dtype=bfloat16"], "plan.param_dtype", "model.attn_implementation=eager"),
-    (["--config.plan.xla_fsdp_grad_ckpt=true", "--config.train.gradient_checkpointing=true"],
+    (["--config.plan.xla=true", "--config.plan.xla_fsdp_grad_ckpt=true", "--config.train.gradient_checkpointing=true"],
      "plan.xla_fsdp_grad_ckpt", "train.gradient_checkpointing=false"),
     # compute_dtype is plan.param_dtype under SPMD FSDPv2: bf16 then needs eager attention
     ([settings('{"compute_dtype": "bfloat16"}')], "plan.param_dtype", "model.attn_implementation=eager"),
-    ([settings('{"flatten_parameters": true}')], "plan.xla_fsdp_settings",
-     "{'flatten_parameters': True}: options of torch_xla's FSDP v1 (XlaFullyShardedDataParallel), which SPMD "
-     "FSDPv2 does not take"),
-    ([settings('{"no_such_option": 1}')], "plan.xla_fsdp_settings", "or set plan.xla_fsdp_v2=false to run FSDP v1"),
     (["--config.plan.xla_fsdp_v2=false"], "--nproc", "use --nproc 1 on the CPU"),
     ([*V1, "--config.plan.cpu_ram_efficient_loading=true"], "plan.cpu_ram_efficient_loading",
      "plan.xla_fsdp_v2=true"),

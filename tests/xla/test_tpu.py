@@ -65,3 +65,21 @@ def test_selftest_passes_on_this_tpu_vm(tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "selftest.json").read_text())
     assert report["device_kind"].startswith("TPU")
+
+
+@needs_tpu
+def test_the_hf_guides_tpu_file_runs_fsdp_v1_over_every_chip(tmp_path):
+    """The Hugging Face guide's TPU fsdp_config, verbatim: FSDP v1 (one process per chip) with its bf16 compute, as
+    Trainer runs it, and one warning recommending xla_fsdp_v2."""
+    import json
+
+    from tests.xla.test_cli import HF_TPU_CONFIG, RECOMMENDS_V2
+
+    fsdp_json = tmp_path / "fsdp.json"
+    fsdp_json.write_text(json.dumps(HF_TPU_CONFIG))
+    proc = cli(["--fsdp_config", str(fsdp_json), "--config", TEST_RECIPE, "--workdir", str(tmp_path / "run"),
+                "--config.train.log_every=1", *BATCH], cwd=tmp_path, env=TPU_ENV, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count(RECOMMENDS_V2) == 1
+    run_losses = losses(tmp_path / "run")
+    assert len(run_losses) == 20 and run_losses[-1] < run_losses[0]

@@ -1,6 +1,7 @@
 """plan.xla_fsdp_settings (Hugging Face's `xla_fsdp_settings`) and the plan's own fields -> keyword arguments of
-torch_xla's XlaFullyShardedDataParallel (FSDP v1). SPMD FSDPv2 takes none of them: there the capability table
-refuses them (portable_fsdp/capabilities.py), once the two with a plan meaning moved onto the plan (hf_import).
+torch_xla's XlaFullyShardedDataParallel (FSDP v1). SPMD FSDPv2 takes none of them: there they are ignored with one
+warning (portable_fsdp/capabilities.py), as Hugging Face ignores them, once the two with a plan meaning moved onto
+the plan (hf_import).
 
 The accepted keys are read from the installed torch_xla's signature, less those this backend sets itself.
 """
