@@ -22,7 +22,7 @@ from portable_fsdp.config.hf_import import (MIXED_PRECISION, PARALLELISM_KEYS, a
                                            apply_fsdp_option)
 from portable_fsdp.config.schema import load_recipe, set_field
 from portable_fsdp.config.validate import plan_from_config
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, notify
 from portable_fsdp.training.trackers import TRACKERS
 
 # lr_scheduler_type -> (train.lr_schedule, whether Trainer warms it up); every one decays to 0 but
@@ -63,8 +63,8 @@ def from_training_arguments(args, recipe: str | None = None, *, world_size: int 
             f"has no equivalent in portable_fsdp; leave it at its default ({_plain(getattr(reference, name))!r}) — "
             "docs/hf_compat.md lists the arguments that map"))
     if "output_dir" in changed:
-        warnings.warn(f"TrainingArguments.output_dir={args.output_dir!r} is the run's workdir, not a config field: "
-                      f"pass it as pf.train(config, workdir={args.output_dir!r})", stacklevel=2)
+        notify(f"TrainingArguments.output_dir={args.output_dir!r} is the run's workdir, not a config field: "
+               f"pass it as pf.train(config, workdir={args.output_dir!r})")
     return config
 
 
@@ -166,9 +166,9 @@ def _apply_schedule(config, args, steps: int) -> None:
     warmup = _steps(args.warmup_steps, steps) if warms_up else 0
     set_field(config, "train.warmup_steps", warmup, _source("warmup_steps"))
     if warmup:
-        warnings.warn(f"TrainingArguments.warmup_steps: the warm-up reaches learning_rate one step earlier than "
-                      f"Trainer's: optimizer step s (from 0) runs at learning_rate*(s+1)/{warmup}, Trainer's at "
-                      f"learning_rate*s/{warmup}", stacklevel=4)
+        notify(f"TrainingArguments.warmup_steps: the warm-up reaches learning_rate one step earlier than "
+               f"Trainer's: optimizer step s (from 0) runs at learning_rate*(s+1)/{warmup}, Trainer's at "
+               f"learning_rate*s/{warmup}")
 
 
 def _floor(args, kind: str) -> float:
