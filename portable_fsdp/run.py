@@ -11,6 +11,7 @@ import sys
 from portable_fsdp import backends
 
 from portable_fsdp.config import accelerate as accelerate_launch
+from portable_fsdp.launch import cluster
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     try:
         print_notices_as_lines()
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        cluster.become_rank(args.nproc)  # srun's one task per GPU: before anything asks whether this is a rank
         config = load_recipe(args.config)
         if args.fsdp:
             apply_fsdp_option(config, args.fsdp)
@@ -73,15 +75,17 @@ def main(argv=None) -> int:
             raise UserError("--nproc", f"must be at least 1 (got {args.nproc})")
         from portable_fsdp.launch.launcher import under_torchrun
 
-        nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun())
+        nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun(),
+                                            cluster.scheduler_machines())
         backend = backends.resolve(nodes.backend, config)
         if nodes.multi_node and nodes.backend == "auto":  # auto may resolve to xla only now (xla: true, a TPU)
             backends.load(backend).check_machines(nodes, args.fsdp_config)
         nproc = nodes.nproc if nodes.nproc is not None else backends.load(backend).default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
-        if nodes.multi_node and not args.workdir:
-            raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
-                                          "machine writes to (a shared disk): checkpoints hold every rank's files"))
+        machines, named = cluster.machines_reported() or (nodes.num_machines, "num_machines")
+        if machines > 1 and not args.workdir:
+            raise UserError("--workdir", (f"{named}: {machines} needs --workdir, one directory every machine writes "
+                                          "to (a shared disk): checkpoints hold every rank's files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp.launch import launcher as launch
 

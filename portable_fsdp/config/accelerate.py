@@ -14,6 +14,7 @@ import warnings
 from portable_fsdp import backends
 from portable_fsdp.config.hf_import import load_yaml
 from portable_fsdp.errors import Notice, UserError
+from portable_fsdp.launch import cluster
 
 # Read by hf_import.apply_accelerate_yaml.
 PLAN_KEYS = ("fsdp_config", "mixed_precision", "parallelism_config", "use_parallelism_config")
@@ -65,18 +66,21 @@ class LaunchSettings:
         return self.num_machines > 1
 
 
-def from_file(path: str | None, backend: str = "auto", nproc: int | None = None,
-              torchrun: bool = False) -> LaunchSettings:
-    """The settings for `--fsdp_config path` (a JSON, or no file: the command line's alone)."""
+def from_file(path: str | None, backend: str = "auto", nproc: int | None = None, torchrun: bool = False,
+              scheduler: cluster.Machines | None = None) -> LaunchSettings:
+    """The settings for `--fsdp_config path` (a JSON, or no file: the command line's alone) on the machines a
+    scheduler reports (`scheduler`, see launch.cluster)."""
     if path is None or pathlib.Path(path).suffix not in (".yaml", ".yml"):
-        return LaunchSettings(backend=backend, nproc=nproc)
-    return settings(load_yaml(pathlib.Path(path).read_text(), path), path, backend, nproc, torchrun)
+        return _checked(cluster.joined(LaunchSettings(backend=backend, nproc=nproc), scheduler),
+                        scheduler and scheduler.count_variable)
+    return settings(load_yaml(pathlib.Path(path).read_text(), path), path, backend, nproc, torchrun, scheduler)
 
 
 def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = None,
-             torchrun: bool = False) -> LaunchSettings:
-    """An Accelerate YAML's top-level mapping + the command line's `--backend` and `--nproc` -> LaunchSettings.
-    Refusals raise UserError naming `path: key`; ignored keys warn (IgnoredKey), once each."""
+             torchrun: bool = False, scheduler: cluster.Machines | None = None) -> LaunchSettings:
+    """An Accelerate YAML's top-level mapping + the command line's `--backend` and `--nproc` -> LaunchSettings,
+    on the machines a scheduler reports (`scheduler`; a num_machines the file writes must agree). Refusals raise
+    UserError naming `path: key`; ignored keys warn (IgnoredKey), once each."""
     _check_environment(data, path)
     backend = _backend(data, path, backend)
     _warn_ignored(data, path)
@@ -116,8 +120,13 @@ def settings(data: dict, path: str, backend: str = "auto", nproc: int | None = N
         _warn(path, "machine_rank", "with rdzv_backend c10d the rendezvous assigns node ranks (write static to keep it)")
     settings = LaunchSettings(backend=backend, nproc=nproc, num_machines=machines, machine_rank=rank,
                               main_process_ip=ip, main_process_port=port, rdzv_backend=rdzv)
-    if settings.multi_node and backend != "auto":  # (auto: once the backend is known, by the command)
-        backends.load(backend).check_machines(settings, path)
+    return _checked(cluster.joined(settings, scheduler, data.get("num_machines"), path), path)
+
+
+def _checked(settings: LaunchSettings, path: str | None) -> LaunchSettings:
+    """`settings` once the backend, when it is known, accepts its machines (auto: by the command, once resolved)."""
+    if settings.multi_node and settings.backend != "auto":
+        backends.load(settings.backend).check_machines(settings, path)
     return settings
 
 

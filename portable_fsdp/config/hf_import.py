@@ -11,6 +11,7 @@ import os
 import pathlib
 
 from portable_fsdp.config.schema import set_field
+from portable_fsdp.launch import cluster
 from portable_fsdp.errors import UserError, notify
 from portable_fsdp.plan import plan_fields
 
@@ -247,8 +248,8 @@ def strategy_name(value) -> str | None:
 
 def replicate_across_machines(config, source: str, machines: int | None) -> None:
     """HSDP over the machines the launcher reports (torchrun, SLURM), else the file's num_machines."""
-    count, reported_by = machines_reported(os.environ) or ((machines, "num_machines") if machines else
-                                                          (1, "this launcher"))
+    count, reported_by = cluster.machines_reported(os.environ) or ((machines, "num_machines") if machines else
+                                                                  (1, "this launcher"))
     if count == 1:
         notify(f"{source}: a hybrid strategy replicates across machines and {reported_by} reports one, so it "
                "shards over every rank as FULL_SHARD does; run on several machines, or set plan.dp_replicate_size")
@@ -259,17 +260,6 @@ def replicate_everywhere(config, source: str) -> None:
     """DDP: every rank a replica of the whole model (plan.dp_replicate_size takes the world, fsdp 1)."""
     set_field(config, "plan.fsdp_size", 1, source)
     set_field(config, "plan.dp_replicate_size", -1, source)
-
-
-def machines_reported(environ) -> tuple | None:
-    """(machines, who says so) for a run started by torchrun (its world over its local world) or under SLURM;
-    None when neither reports."""
-    if environ.get("WORLD_SIZE", "").isdigit() and environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        return max(1, int(environ["WORLD_SIZE"]) // max(1, int(environ["LOCAL_WORLD_SIZE"]))), "torchrun"
-    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
-        if environ.get(name, "").isdigit():
-            return int(environ[name]), name
-    return None
 
 
 def apply_fsdp_option(config, option) -> None:

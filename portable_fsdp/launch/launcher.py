@@ -12,7 +12,7 @@ from portable_fsdp import backends
 
 from portable_fsdp.checkpoint import layout as checkpointing
 
-from portable_fsdp.launch import workdir_lock
+from portable_fsdp.launch import cluster, workdir_lock
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import UserError, notify
@@ -20,7 +20,7 @@ from portable_fsdp.config.validate import check_backend, resolve_plan
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return cluster.under_torchrun(os.environ)
 
 
 def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None,
