@@ -98,11 +98,14 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def machines_reported(environ=os.environ) -> tuple | None:
-    """(machines, the variable that says so) for a run started by torchrun (its world over its local world), by
-    SLURM (the step's nodes, else the job's) or by a Kubernetes operator (PET_NNODES); None when none reports."""
+    """(machines, the variable that says so) for a run started by srun (the step's nodes), by torchrun (its world
+    over its local world), in a SLURM job (its nodes) or by a Kubernetes operator (PET_NNODES); None when none
+    reports."""
+    if environ.get("SLURM_STEP_NUM_NODES", "").isdigit():
+        return int(environ["SLURM_STEP_NUM_NODES"]), "SLURM_STEP_NUM_NODES"
     if environ.get("WORLD_SIZE", "").isdigit() and environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(environ["WORLD_SIZE"]) // max(1, int(environ["LOCAL_WORLD_SIZE"]))), "torchrun"
-    for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "PET_NNODES"):
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "PET_NNODES"):
         if environ.get(name, "").isdigit():
             return int(environ[name]), name
     return None
