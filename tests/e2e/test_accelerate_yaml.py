@@ -1,37 +1,13 @@
 """`--fsdp_config accelerate.yaml` as `accelerate launch` users mean it: num_processes starts that many workers,
 num_machines > 1 joins one rendezvous (two launchers on this machine stand for two machines), refusals are one
 `error:` line with nothing written, ignored keys one `warning:` line each."""
-import contextlib
-import json
-import os
-import pathlib
-import signal
-import subprocess
-import sys
-
 import pytest
 
-from benchmarks.common import ROOT, free_port, run_python
+from benchmarks.common import free_port, run_python
 from portable_fsdp import run
 from tests.conftest import TEST_RECIPE
+from tests.e2e.machines import ARGS, ENV, files, losses, own_lines, records, run_together
 from tests.unit.test_accelerate_launch import ACCELERATE_FSDP2, write
-
-ARGS = ["-m", "portable_fsdp.run", "--config", TEST_RECIPE, "--config.train.steps=6", "--config.train.log_every=1",
-        "--config.train.progress_bar=false"]
-ENV = {"OMP_NUM_THREADS": "1"}
-
-
-def records(workdir):
-    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(workdir):
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(workdir) if "loss" in r]
-
-
-def files(workdir):
-    return sorted(str(p.relative_to(workdir)) for p in pathlib.Path(workdir).rglob("*"))
-
 
 @pytest.mark.slow  # the launch keys are unit-tested on the same file (tests/unit/test_accelerate_launch.py)
 def test_num_processes_from_the_verbatim_file(tmp_path):
@@ -46,38 +22,17 @@ def test_num_processes_from_the_verbatim_file(tmp_path):
     assert all(len(r["mem_mb"]) == 2 for r in records(tmp_path / "run") if "loss" in r)  # one entry per rank
 
 
-def start(args):
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env={**os.environ, "USE_TORCH_XLA": "0", **ENV})
-
-
 def run_two_machines(tmp_path, args: list, shared) -> list:
     """Two launchers, machine_rank 0 and 1 of num_machines 2 (a static rendezvous at 127.0.0.1), each with its
     own copy of the YAML and the same --workdir (as two machines share a disk); both must exit 0. Returns their
-    (stdout, stderr); both process groups are killed on a timeout."""
+    (stdout, stderr)."""
     port = free_port()
     nodes = []
     for rank in (0, 1):
         (tmp_path / f"machine{rank}").mkdir()
         nodes.append(write(tmp_path / f"machine{rank}", num_processes=2, num_machines=2, machine_rank=rank,
                            mixed_precision="'no'", main_process_ip="127.0.0.1", main_process_port=port))
-    procs = [start([*args, "--fsdp_config", node, "--workdir", str(shared)]) for node in nodes]
-    try:
-        outputs = [proc.communicate(timeout=400) for proc in procs]
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
-    return outputs
-
-
-def own_lines(output):
-    """What a machine printed besides gloo's connection line and the token cache's build report (its node-local
-    rank 0 may be the one that builds the cache both machines share here)."""
-    return [line for line in output.splitlines() if not line.startswith(("[Gloo]", "data: "))]
+    return run_together([([*args, "--fsdp_config", node, "--workdir", str(shared)], None) for node in nodes])
 
 
 def test_two_machines_match_one(tmp_path):
