@@ -33,12 +33,14 @@ def batch_script(nodes: int) -> dict:
     return {name: value for name, value in step.items() if not name.startswith("SLURM_STEP")}
 
 
-def pytorchjob_pod(replica: str, index: int, workers: int = 1, nproc: str | None = "8") -> dict:
-    """A pod of a PyTorchJob `llama` with one Master and `workers` Workers (training-operator v1.9's setPodEnv:
-    RANK is the pod's index, workers after the master; WORLD_SIZE counts processes when nprocPerNode is set)."""
+def pytorchjob_pod(replica: str, index: int, workers: int = 1, nproc: str | None = "8", name: str = "llama",
+                   port: int = 23456) -> dict:
+    """A pod of PyTorchJob `name` with one Master and `workers` Workers (training-operator v1.9's setPodEnv and
+    MasterEnvVarGenerator: RANK is the pod's index, workers after the master; WORLD_SIZE counts processes when
+    nprocPerNode is set; the master's address is its pod's service)."""
     rank = index + (replica == "worker")
-    env = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
-           "MASTER_ADDR": "llama-master-0", "PET_MASTER_ADDR": "llama-master-0",
+    env = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port), "PET_MASTER_PORT": str(port),
+           "MASTER_ADDR": f"{name}-master-0", "PET_MASTER_ADDR": f"{name}-master-0",
            "WORLD_SIZE": str((workers + 1) * int(nproc or 1)), "RANK": str(rank), "PET_NODE_RANK": str(rank),
            "PET_NNODES": str(workers + 1)}
     return {**env, "PET_NPROC_PER_NODE": nproc} if nproc else env
