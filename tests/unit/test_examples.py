@@ -40,6 +40,7 @@ def sbatch(name: str) -> tuple:
     """(#SBATCH options, the srun command's words) of examples/slurm/NAME."""
     text = (EXAMPLES / "slurm" / name).read_text()
     options = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
+    assert options["cpus-per-task"] and "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in text  # not one core
     lines = re.sub(r"\\\n\s*", " ", text).splitlines()
     [srun] = [line for line in lines if line.startswith("srun ")]
     return options, shlex.split(srun)
