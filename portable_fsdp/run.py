@@ -14,6 +14,7 @@ from portable_fsdp.config import accelerate as accelerate_launch
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
+from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
 
 # Accelerate launch's ParallelismConfig flags (`accelerate launch --use_parallelism_config
@@ -82,6 +83,11 @@ def main(argv=None) -> int:
         if nodes.multi_node and not args.workdir:
             raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
                                           "machine writes to (a shared disk): checkpoints hold every rank's files"))
+        slice_hosts = 1 if args.workdir else tpu_vm.slice_workers()[1]
+        if slice_hosts > 1:  # the default workdir's time stamp differs between hosts
+            raise UserError("--workdir", (f"a TPU slice of {slice_hosts} hosts needs --workdir, one directory every "
+                                          "host writes to (gs://bucket/run, or a shared mount): checkpoints hold "
+                                          "every host's files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp.launch import launcher as launch
 
