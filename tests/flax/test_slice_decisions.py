@@ -22,8 +22,13 @@ def test_machines_and_join_arguments(nodes, platform, workers, expected):
 
 
 def test_worker_1_of_a_slice_does_not_own_the_workdir(monkeypatch):
-    monkeypatch.setattr(launch, "platform", lambda: "tpu")
+    """Asked before jax starts (it must join the slice first): the host's accelerator says TPU."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(launch, "accelerator", lambda: "tpu")
     monkeypatch.setattr(launch.tpu_vm, "slice_workers", lambda: (1, 2))
     assert launch.owns_workdir(LaunchSettings()) is False
     monkeypatch.setattr(launch.tpu_vm, "slice_workers", lambda: (0, 2))
+    assert launch.owns_workdir(LaunchSettings()) is True
+    monkeypatch.setattr(launch.tpu_vm, "slice_workers", lambda: (1, 2))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # told to train on its CPU: a run of its own
     assert launch.owns_workdir(LaunchSettings()) is True

@@ -10,7 +10,8 @@ import os
 import pathlib
 
 from portable_fsdp.launch import worker
-from portable_fsdp.backends.flax.devices import HOST_DEVICE_COUNT_FLAG, configure_host_devices, default_count, join, platform
+from portable_fsdp.backends.flax.devices import (HOST_DEVICE_COUNT_FLAG, accelerator, configure_host_devices,
+                                                 default_count, join, platform)
 from portable_fsdp.errors import UserError
 from portable_fsdp.launch.launcher import under_torchrun
 from portable_fsdp.machine import tpu_vm
@@ -36,7 +37,10 @@ def check_machines(nodes, path: str) -> None:
 
 
 def owns_workdir(nodes) -> bool:
-    return machines(nodes, platform(), tpu_vm.slice_workers())[0] == 0
+    """Asked before the launcher starts jax (which must join the other machines first): the platform the run will
+    take, read from JAX_PLATFORMS or the host's accelerator, never from jax."""
+    platform_ = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() or accelerator() or "cpu"
+    return machines(nodes, platform_, tpu_vm.slice_workers())[0] == 0
 
 
 def machines(nodes, platform_: str, slice_workers: tuple) -> tuple:
