@@ -1,7 +1,10 @@
 """--backend xla on a TPU slice of several hosts, decided before torch_xla starts (the slice injected: no TPU here):
 what an Accelerate file's num_machines means, which plans the hosts can feed, which host owns the workdir, and
 what each host writes into a checkpoint."""
+import json
 import pathlib
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +13,7 @@ from portable_fsdp.backends.xla import launch
 from portable_fsdp.checkpoint import files as checkpoint_files
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.machine import tpu_vm
+from tests.conftest import ROOT, TEST_RECIPE
 from tests.unit._helpers import user_error
 
 
@@ -97,7 +101,6 @@ def test_host_0_writes_what_one_writer_writes(tmp_path, full, host, expected):
 def test_a_slice_without_workdir_is_one_line(monkeypatch, capsys):
     """Every host would pick its own time-stamped default workdir: the command asks for one they share."""
     from portable_fsdp import run
-    from tests.conftest import TEST_RECIPE
 
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0,t1k-w-1")
     monkeypatch.setenv("TPU_WORKER_ID", "1")
@@ -105,3 +108,22 @@ def test_a_slice_without_workdir_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "error: --workdir: a TPU slice of 2 hosts needs --workdir, one directory every host writes to "
         "(gs://bucket/run, or a shared mount): checkpoints hold every host's files"]
+
+
+HOST_SLICE = """
+import json
+import torch_xla.runtime as xr
+xr.use_spmd()
+from portable_fsdp.backends.xla import runtime
+print(json.dumps([xr.process_index(), xr.process_count(), runtime._host_data_slice(xr.global_runtime_device_count())]))
+"""
+
+
+def test_a_host_reads_its_devices_mesh_positions_from_torch_xla():
+    """torch_xla's names of this process's devices ("CPU:0", "TPU:4") give their mesh positions: one host of 4 PJRT
+    CPU devices feeds the whole batch. (PJRT CPU is one process, so a second host cannot be started here.)"""
+    proc = subprocess.run([sys.executable, "-c", HOST_SLICE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "PATH": "/usr/bin:/bin",
+                               "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 1, [0, 1]]

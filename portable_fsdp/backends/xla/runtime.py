@@ -19,6 +19,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as xla_metrics
 import torch_xla.distributed.spmd as xs
+import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// init method of the hosts' gloo group
 import torch_xla.runtime as xr
 
 from portable_fsdp import placement
@@ -57,8 +58,6 @@ def initialize(plan: ShardingPlan) -> Runtime:
         hosts = xr.process_count()
         data_slice = _host_data_slice(devices) if hosts > 1 else (0, 1)
         if hosts > 1 and not dist.is_initialized():
-            import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// init method
-
             dist.init_process_group("gloo", init_method="xla://")  # rank: xr.process_index(), one per host
         return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices, hosts,
                        data_slice)
