@@ -1,6 +1,8 @@
 """Runs over several hosts decided without a framework: which rows of the global batch a host feeds
 (placement.host_data_slice), which host of a TPU slice this is (tpu_vm.slice_workers, environment and metadata
 injected) and the one line about a workdir that not every machine sees (launch/shared_workdir.py, mounts injected)."""
+import pathlib
+
 import pytest
 
 from portable_fsdp import placement
@@ -101,7 +103,8 @@ def test_the_longest_mount_point_decides(workdir, kind):
     assert shared_workdir.filesystem_of(workdir, MOUNTS) == kind
 
 
-@pytest.mark.parametrize("workdir", ["gs://bucket/run", "s3://bucket/run", "/home/team/shared/run", "/mnt/bucket/r"])
+@pytest.mark.parametrize("workdir", ["gs://bucket/run", "s3://bucket/run", pathlib.Path("gs://bucket/run"),
+                                     "/home/team/shared/run", "/mnt/bucket/r"])
 def test_storage_every_machine_sees_says_nothing(workdir):
     assert shared_workdir.local_workdir_warning(workdir, MOUNTS) is None
 
