@@ -43,7 +43,7 @@ def metadata(key: str) -> str:
         return ""
 
 
-def slice_workers(environ=os.environ, read_metadata=metadata, visible=tpu_visible) -> tuple:
+def slice_workers(environ=os.environ, read_metadata=None, visible=None) -> tuple:
     """(this host's worker index, the slice's worker count): (0, 1) off a TPU or on a one-host slice.
 
     Read where JAX's cluster detection reads them (jax/_src/clusters/cloud_tpu_cluster.py): TPU_WORKER_ID and
@@ -53,8 +53,9 @@ def slice_workers(environ=os.environ, read_metadata=metadata, visible=tpu_visibl
     hostnames = environ.get("TPU_WORKER_HOSTNAMES", "")
     if hostnames:
         return int(environ.get("TPU_WORKER_ID", "0")), len(hostnames.split(","))
-    if not visible():
+    if not (visible or tpu_visible)():
         return 0, 1
+    read_metadata = read_metadata or metadata
     endpoints = read_metadata("worker-network-endpoints")
     if not endpoints:
         return 0, 1

@@ -19,6 +19,7 @@ from portable_fsdp.backends.xla import environment, fsdp_settings
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.errors import UserError
 from portable_fsdp.config.hf_import import xla_settings_onto_spmd_plan
+from portable_fsdp.config.validate import resolve_plan
 from portable_fsdp.launch.launcher import under_torchrun
 
 
@@ -107,9 +108,10 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         world = nproc  # refused by the capability table below, before torch_xla counts devices
     else:
         world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
+    if v2 and device == "TPU":  # before anything is written into the workdir
+        check_slice_plan(resolve_plan(config, world), tpu_vm.slice_workers()[1])
     plan = checks(config, "xla", world, workdir, device=device)
     if v2:
-        check_slice_plan(plan, tpu_vm.slice_workers()[1] if device == "TPU" else 1)
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
         return worker.main(spec)
     # FSDP v1: its settings are checked against the installed torch_xla before its processes start.
