@@ -129,3 +129,23 @@ def fsdp_dim(shape: tuple, shard_size: int, taken=()) -> int | None:
     if not free or math.prod(shape) < MIN_SHARDED_ELEMENTS:
         return None
     return max(free, key=lambda d: (shape[d], -d))
+
+
+def host_data_slice(host_positions, device_count: int, data_rows: int, row_field: str) -> tuple:
+    """(dp_rank, dp_size): which slice of the global batch a host feeds when one process per host drives several
+    devices (torch_xla SPMD over a TPU slice, JAX over several machines). `host_positions`: the flat indices, in
+    mesh order (MESH_AXES, outermost first), of the `device_count` mesh devices this host drives; `data_rows`: the
+    product of the DATA_AXES sizes. The devices that share a batch row (cp × sp × tp of them) are neighbours in
+    the mesh, so the host feeds the rows its devices hold: they must be whole rows, in one block aligned to its
+    size, as on every host (then the batch is rows dp_rank of dp_size). Otherwise one line naming `row_field`, the
+    plan field that made a row span hosts."""
+    row_devices = device_count // data_rows
+    rows = sorted({position // row_devices for position in host_positions})
+    block = len(rows)
+    whole = len(set(host_positions)) == block * row_devices
+    if not rows or not whole or rows != list(range(rows[0], rows[0] + block)) or rows[0] % block or data_rows % block:
+        raise UserError(row_field, (
+            f"the devices that share a batch row ({row_devices}: cp x sp x tp) span hosts: each host's devices must "
+            f"hold whole rows of the mesh; make cp_size x sp_size x tp_size a divisor of this host's device count "
+            f"({len(host_positions)})"))
+    return rows[0] // block, data_rows // block

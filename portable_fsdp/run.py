@@ -15,6 +15,7 @@ from portable_fsdp.launch import cluster
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
+from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
 
 # Accelerate launch's ParallelismConfig flags (`accelerate launch --use_parallelism_config
@@ -58,6 +59,12 @@ def apply_parallelism_flags(config, args) -> None:
     apply_parallelism_config(config, given, "--")
 
 
+def _tpu_slice_hosts() -> tuple | None:
+    """(hosts, who says so) on a TPU slice of several hosts, else None."""
+    hosts = tpu_vm.slice_workers()[1]
+    return (hosts, "TPU slice hosts") if hosts > 1 else None
+
+
 def main(argv=None) -> int:
     try:
         print_notices_as_lines()
@@ -82,10 +89,12 @@ def main(argv=None) -> int:
             backends.load(backend).check_machines(nodes, args.fsdp_config)
         nproc = nodes.nproc if nodes.nproc is not None else backends.load(backend).default_nproc(backend)
         recipe = pathlib.Path((args.config or DEFAULT_RECIPE).partition(":")[0]).stem
-        machines, named = cluster.machines_reported() or (nodes.num_machines, "num_machines")
-        if machines > 1 and not args.workdir:
+        machines, named = (cluster.machines_reported() or _tpu_slice_hosts()
+                           or (nodes.num_machines, "num_machines"))
+        if machines > 1 and not args.workdir:  # each machine's time-stamped default workdir would differ
             raise UserError("--workdir", (f"{named}: {machines} needs --workdir, one directory every machine writes "
-                                          "to (a shared disk): checkpoints hold every rank's files"))
+                                          "to (gs://bucket/run, or a shared mount): checkpoints hold every machine's "
+                                          "files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp.launch import launcher as launch
 

@@ -12,10 +12,11 @@ from portable_fsdp import backends
 
 from portable_fsdp.checkpoint import layout as checkpointing
 
-from portable_fsdp.launch import cluster, workdir_lock
+from portable_fsdp.launch import cluster, shared_workdir, workdir_lock
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import UserError, notify
+from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.validate import check_backend, resolve_plan
 
 
@@ -75,6 +76,8 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError.
     The process that owns the run holds WORKDIR/.lock until it returns (portable_fsdp.launch.workdir_lock)."""
     nodes = nodes or LaunchSettings()
+    if nodes.multi_node or tpu_vm.slice_workers()[1] > 1:  # an Accelerate YAML's machines, or a TPU slice's hosts
+        shared_workdir.warn_if_local(workdir)
     with workdir_lock.Claim(lambda: owns_workdir(nodes, backend_name)) as claim:
         claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
         backend = backends.load(backend_name)

@@ -108,4 +108,4 @@ def test_several_machines_need_a_workdir(tmp_path, capsys):
     path = write(tmp_path, num_machines=2, main_process_ip="127.0.0.1")
     code, err = run_main(capsys, "--fsdp_config", path)
     assert (code, err) == (2, ["error: --workdir: num_machines: 2 needs --workdir, one directory every machine "
-                               "writes to (a shared disk): checkpoints hold every rank's files"])
+                               "writes to (gs://bucket/run, or a shared mount): checkpoints hold every machine's files"])

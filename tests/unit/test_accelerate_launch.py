@@ -194,7 +194,8 @@ REFUSED = [
      "rdzv_backend: c10d: --backend flax joins jax.distributed with machine_rank as the process id, which c10d "
      "does not keep; write rdzv_backend: static"),
     ({"num_machines": 2, "main_process_ip": "10.0.0.4", "distributed_type": "XLA"}, {},
-     "num_machines: = 2: the xla backend's launcher starts one host; set num_machines: 1"),
+     "num_machines: = 2: --backend xla runs several machines only as the hosts of one TPU slice, and this host is "
+     "not in one; set num_machines: 1"),
     ({"num_machines": 2}, {},
      "main_process_ip: num_machines: 2 needs main_process_ip, the address of the machine with machine_rank 0"),
     ({"num_machines": 2, "machine_rank": 2, "main_process_ip": "10.0.0.4"}, {},

@@ -260,5 +260,5 @@ def test_the_command_refuses_a_batch_script_without_srun(environment, capsys, tm
 def test_several_slurm_nodes_need_a_workdir(environment, capsys, tasks_per_node):
     environment.update(slurm_step(2, tasks_per_node, 0))
     assert command_error(capsys) == (2, [
-        "error: --workdir: SLURM_STEP_NUM_NODES: 2 needs --workdir, one directory every machine writes to (a shared disk): "
-        "checkpoints hold every rank's files"])
+        "error: --workdir: SLURM_STEP_NUM_NODES: 2 needs --workdir, one directory every machine writes to "
+        "(gs://bucket/run, or a shared mount): checkpoints hold every machine's files"])

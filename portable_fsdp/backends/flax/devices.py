@@ -4,7 +4,8 @@ XLA reads its platform and host-device count once, when jax is first imported, s
 `configure_host_devices` before anything imports jax: on a host without an accelerator JAX can use, one process
 then drives N CPU devices, the stand-in for N accelerators; on a GPU or TPU host JAX takes the accelerator.
 A JAX_PLATFORMS the user already set (e.g. cuda, tpu, cpu) is respected.
-On several machines each launcher then `join`s JAX's multi-process runtime before any device is touched:
+On several machines (or the hosts of a TPU slice) each launcher then `join`s JAX's multi-process runtime before any
+device is touched:
 `jax.devices()` becomes every machine's devices, and the lowering's programs span them all.
 """
 from __future__ import annotations
@@ -65,21 +66,25 @@ def default_count() -> int:
 JOIN_TIMEOUT_S = 300  # how long a machine waits for the others to start
 
 
-def join(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """This machine's process becomes `process_id` of `num_processes` (jax.distributed; the coordinator runs in
-    process 0). Host CPU devices reach each other's over gloo, which must be chosen before the CPU client exists."""
+def join(arguments: dict) -> None:
+    """This machine's process joins the others (jax.distributed; the coordinator runs in process 0): `arguments`
+    name the coordinator, the process count and this process's id, or are empty on a TPU slice, which jax finds
+    by itself. Host CPU devices reach each other's over gloo, which must be chosen before the CPU client exists."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=JOIN_TIMEOUT_S)
+        jax.distributed.initialize(**arguments, initialization_timeout=JOIN_TIMEOUT_S)
     except Exception as err:  # jax raises its runtime's errors (a timeout, a refused connection) as is
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if not arguments:
+            raise UserError("--backend", (
+                f"flax: this TPU host could not join its slice's other hosts within {JOIN_TIMEOUT_S} s "
+                f"({first[:200]}); start the same command on every worker (--worker=all)")) from None
         raise UserError("main_process_ip", (
-            f"machine {process_id} could not join the {num_processes} machines at {coordinator_address} within "
-            f"{JOIN_TIMEOUT_S} s ({first[:200]}); start every machine's command, with the same main_process_ip "
-            "and main_process_port")) from None
+            f"machine {arguments['process_id']} could not join the {arguments['num_processes']} machines at "
+            f"{arguments['coordinator_address']} within {JOIN_TIMEOUT_S} s ({first[:200]}); start every machine's "
+            "command, with the same main_process_ip and main_process_port")) from None
 
 
 def platform() -> str:

@@ -2,16 +2,19 @@
 devices (host CPU devices unless JAX_PLATFORMS or the host's accelerator names others), so there is no launcher
 and the plan's world size is the device count. On several machines each machine's launcher is one JAX process
 (machine_rank of num_machines, meeting at main_process_ip:main_process_port) and the world is every machine's
-devices. Nothing here imports jax: host devices are set up before it starts."""
+devices; on a TPU slice of several hosts, with no such file, each host's command is one JAX process of the slice,
+which jax.distributed finds by itself. Nothing here imports jax: host devices are set up before it starts."""
 from __future__ import annotations
 
 import os
 import pathlib
 
 from portable_fsdp.launch import worker
-from portable_fsdp.backends.flax.devices import HOST_DEVICE_COUNT_FLAG, configure_host_devices, default_count, join, platform
+from portable_fsdp.backends.flax.devices import (HOST_DEVICE_COUNT_FLAG, accelerator, configure_host_devices,
+                                                 default_count, join, platform)
 from portable_fsdp.errors import UserError
 from portable_fsdp.launch.launcher import under_torchrun
+from portable_fsdp.machine import tpu_vm
 
 
 def device_type(backend: str) -> str:
@@ -34,7 +37,25 @@ def check_machines(nodes, path: str) -> None:
 
 
 def owns_workdir(nodes) -> bool:
-    return nodes.machine_rank == 0
+    """Asked before the launcher starts jax (which must join the other machines first): the platform the run will
+    take, read from JAX_PLATFORMS or the host's accelerator, never from jax."""
+    platform_ = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip() or accelerator() or "cpu"
+    return machines(nodes, platform_, tpu_vm.slice_workers())[0] == 0
+
+
+def machines(nodes, platform_: str, slice_workers: tuple) -> tuple:
+    """(this machine's process id, the machine count, jax.distributed.initialize's keyword arguments — None on one
+    machine). An Accelerate file's machines meet at its main process; the hosts of a TPU slice (`slice_workers`:
+    tpu_vm.slice_workers) join with no arguments, which jax detects from the same TPU_WORKER_* variables or VM
+    metadata (jax/_src/clusters/cloud_tpu_cluster.py: GceTpuCluster, GkeTpuCluster)."""
+    if nodes.multi_node:
+        return nodes.machine_rank, nodes.num_machines, {
+            "coordinator_address": f"{nodes.main_process_ip}:{nodes.main_process_port}",
+            "num_processes": nodes.num_machines, "process_id": nodes.machine_rank}
+    worker, workers = slice_workers
+    if platform_ == "tpu" and workers > 1:
+        return worker, workers, {}
+    return 0, 1, None
 
 
 def sharded_format() -> str:
@@ -62,9 +83,10 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
     if under_torchrun():
         raise UserError("--backend", "flax runs as one process driving every device; start it without torchrun")
     configure_host_devices(nproc)
-    world_size = nproc * nodes.num_machines
+    machine, machine_count, join_arguments = machines(nodes, platform(), tpu_vm.slice_workers())
+    world_size = nproc * machine_count
     checks(config, "flax", world_size, workdir, device=platform())
-    if nodes.multi_node:
-        join(f"{nodes.main_process_ip}:{nodes.main_process_port}", nodes.num_machines, nodes.machine_rank)
-    os.environ.update(RANK=str(nodes.machine_rank), WORLD_SIZE=str(world_size))
+    if join_arguments is not None:
+        join(join_arguments)
+    os.environ.update(RANK=str(machine), WORLD_SIZE=str(world_size))
     return worker.main(spec)

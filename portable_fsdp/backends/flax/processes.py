@@ -13,7 +13,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from portable_fsdp.errors import UserError
 
 
 def several() -> bool:
@@ -26,22 +25,12 @@ def local_devices(mesh) -> list:
 
 
 def data_slice(mesh) -> tuple:
-    """(dp_rank, dp_size): this process's devices hold whole rows of the mesh (every cp, sp and tp device of them:
-    the axes that share a batch row), one contiguous block of the same size on every process, so its slice of
-    the batch is rows dp_rank of dp_size."""
-    from portable_fsdp.placement import DATA_AXES
+    """(dp_rank, dp_size) of this process's rows of the global batch (portable_fsdp.placement.host_data_slice)."""
+    from portable_fsdp.placement import DATA_AXES, host_data_slice
 
-    row_count = int(np.prod([mesh.shape[a] for a in DATA_AXES]))
-    grid = mesh.devices.reshape(row_count, -1)  # the data axes are the outer ones
-    mine = [i for i in range(grid.shape[0]) if any(d.process_index == jax.process_index() for d in grid[i])]
-    whole = all(d.process_index == jax.process_index() for i in mine for d in grid[i])
-    if not mine or not whole or mine != list(range(mine[0], mine[0] + len(mine))) or grid.shape[0] % len(mine):
-        field = next((f"plan.{a}_size" for a in ("tp", "sp", "cp") if mesh.shape[a] > 1), "plan.cp_size")
-        raise UserError(field, (
-            f"the devices that share a batch row ({grid.shape[1]}: cp x sp x tp) span machines: each machine's "
-            f"devices must hold whole rows of the mesh; make cp_size x sp_size x tp_size a divisor of this machine's "
-            f"device count ({len(local_devices(mesh))})"))
-    return mine[0] // len(mine), grid.shape[0] // len(mine)
+    mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    row_field = next((f"plan.{a}_size" for a in ("tp", "sp", "cp") if mesh.shape[a] > 1), "plan.cp_size")
+    return host_data_slice(mine, mesh.devices.size, int(np.prod([mesh.shape[a] for a in DATA_AXES])), row_field)
 
 
 def to_global(local: np.ndarray, target) -> jax.Array:

@@ -7,9 +7,6 @@ import os
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.errors import UserError
 
-_configured = False
-
-
 def configure(cpu_devices: int) -> None:
     """`cpu_devices` PJRT CPU devices if the run lands on the CPU.
 
@@ -20,13 +17,6 @@ def configure(cpu_devices: int) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # transformers must not take the XLA code paths of its Trainer; the model code is the same either way.
     os.environ.setdefault("USE_TORCH_XLA", "0")
-    global _configured
-    _configured = True
-
-
-def configured() -> bool:
-    """Whether this process has set the environment up (torch_xla may be asked questions from then on)."""
-    return _configured
 
 
 def device_type() -> str:

@@ -4,6 +4,10 @@ reads is set before it is imported, every start-up check runs before anything co
 SPMD FSDPv2: one process per host drives all its devices, so the worker runs in this process; the plan's
     world size is the device count (on the CPU, `--nproc` PJRT CPU devices).
 FSDP v1: one process per device, started by torch_xla's own launcher (xmp.spawn); on the CPU one device only.
+
+On a TPU slice of several hosts the same command runs on every host (`gcloud compute tpus tpu-vm ssh NAME
+--worker=all`, or xpk); torch_xla forms the slice from the TPU VMs' metadata, the plan spans every chip of it,
+and worker 0 writes what one writer writes.
 """
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ import pathlib
 
 from portable_fsdp.launch import worker
 from portable_fsdp.backends.xla import environment, fsdp_settings
+from portable_fsdp.machine import tpu_vm
 from portable_fsdp.errors import UserError
 from portable_fsdp.config.hf_import import xla_settings_onto_spmd_plan
+from portable_fsdp.config.validate import resolve_plan
 from portable_fsdp.launch.launcher import under_torchrun
 
 
@@ -49,39 +55,52 @@ def convert_sharded(source: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def check_machines(nodes, path: str) -> None:
-    raise UserError(f"{path}: num_machines", (
-        f"= {nodes.num_machines}: the xla backend's launcher starts one host; set num_machines: 1"))
+    """Several machines are the hosts of one TPU slice, which torch_xla forms itself (from TPU_WORKER_ID and
+    TPU_WORKER_HOSTNAMES, else the VMs' metadata): the file must name the slice as it is, this host as itself."""
+    if nodes.num_machines == 1:
+        return
+    worker, workers = tpu_vm.slice_workers()
+    if workers == 1:
+        raise UserError(f"{path}: num_machines", (
+            f"= {nodes.num_machines}: --backend xla runs several machines only as the hosts of one TPU slice, and "
+            "this host is not in one; set num_machines: 1"))
+    if nodes.num_machines != workers:
+        raise UserError(f"{path}: num_machines", (
+            f"= {nodes.num_machines}, but this TPU slice has {workers} hosts, all of which torch_xla joins; set "
+            f"num_machines: {workers}"))
+    if nodes.machine_rank != worker:
+        raise UserError(f"{path}: machine_rank", (
+            f"= {nodes.machine_rank}, but this host is worker {worker} of its TPU slice, the rank torch_xla gives it; "
+            f"set machine_rank: {worker} (or leave the file out: the slice needs none)"))
 
 
-def owns_workdir(nodes) -> bool | None:
-    """Under torchrun its rank 0; on a TPU slice (every host starts the command) worker 0, read once the
-    environment is set up (None before)."""
+def check_slice_plan(plan, hosts: int) -> None:
+    """SPMD over several hosts: each host sends its rows with torch_xla's `minibatch` input sharding, which in
+    torch_xla 2.9 needs the batch dimension tiled over every device of the slice (XlaShardingSpec,
+    csrc/init_python_bindings.cpp) and hands local device i block i of the host's rows with every token of them
+    (ShardingUtil::GetShardIndicesForMinibatchTensor): devices that split a row (tp, sp, cp) cannot be fed so."""
+    if hosts == 1:
+        return
+    for field, size in (("plan.tp_size", plan.mesh.tp_size), ("plan.sp_size", plan.mesh.sp_size),
+                        ("plan.cp_size", plan.mesh.cp_size)):
+        if size > 1:
+            raise UserError(field, (
+                f"= {size}: on a TPU slice of {hosts} hosts each host feeds whole rows of the batch to each of its "
+                f"chips, so --backend xla splits the batch only (fsdp, dp_replicate, ep); set {field}=1, or run "
+                "--backend flax"))
+
+
+def owns_workdir(nodes) -> bool:
+    """Under torchrun its rank 0; on a TPU slice (every host starts the command) worker 0."""
     if under_torchrun():
         return os.environ.get("RANK", "0") == "0"
-    if not environment.configured():
-        return None
-    return _tpu_worker() == 0
-
-
-def _tpu_worker() -> int:
-    """This host's worker number in its TPU slice (0 off a TPU), read from the TPU VM's metadata without starting
-    torch_xla's runtime."""
-    import torch_xla.runtime as xr
-
-    if xr.device_type() != "TPU":
-        return 0
-    from torch_xla._internal import tpu
-
-    try:
-        return tpu.worker_id()
-    except Exception:  # no metadata: torch_xla's own start will say what is wrong
-        return 0
+    return tpu_vm.slice_workers()[0] == 0
 
 
 def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
     """`checks(config, backend_name, world_size, workdir, device) -> plan`: the launcher's shared checks (the
     capability table included). Returns the run's summary (None under FSDP v1, whose processes torch_xla
-    starts). One machine only: a multi-machine Accelerate file is refused before this (accelerate_launch)."""
+    starts). On a TPU slice of several hosts every host runs this; torch_xla joins them."""
     environment.configure(nproc)
     device = environment.device_type()
     v2 = config.plan.xla_fsdp_v2
@@ -89,6 +108,8 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         world = nproc  # refused by the capability table below, before torch_xla counts devices
     else:
         world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
+    if v2 and device == "TPU":  # before anything is written into the workdir
+        check_slice_plan(resolve_plan(config, world), tpu_vm.slice_workers()[1])
     plan = checks(config, "xla", world, workdir, device=device)
     if v2:
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against

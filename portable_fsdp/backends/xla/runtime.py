@@ -1,7 +1,9 @@
 """One place for what differs between the two torch_xla execution models, so the step reads the same for both:
 
 SPMD (FSDPv2): one process per host drives every device of the mesh; tensors are global and sharded, and
-    the XLA compiler inserts the collectives. Reductions over devices are implicit.
+    the XLA compiler inserts the collectives. Reductions over devices are implicit. On a TPU slice of several
+    hosts each host feeds its own rows of the batch, and host numbers meet over a gloo group (torch_xla's
+    documented way: its `xla` process group does not run under SPMD, docs/source/perf/spmd_distributed_checkpoint.md).
 FSDP v1: one process per device (torch_xla's launcher); tensors are local, and sums over processes are
     explicit `xm.all_reduce`s.
 """
@@ -12,10 +14,12 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as xla_metrics
 import torch_xla.distributed.spmd as xs
+import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// init method of the hosts' gloo group
 import torch_xla.runtime as xr
 
 from portable_fsdp import placement
@@ -33,13 +37,7 @@ class Runtime:
     rank: int  # SPMD: process (host) index; v1: global ordinal
     world_size: int  # SPMD: devices of the mesh; v1: processes (one per device)
     process_count: int
-
-    @property
-    def data_parallel(self) -> tuple:
-        """(dp_rank, dp_size): which slice of the global batch this process feeds, out of how many."""
-        if self.spmd:
-            return xr.process_index(), self.process_count
-        return self.rank, self.world_size
+    data_parallel: tuple  # (dp_rank, dp_size): which slice of the global batch this process feeds, of how many
 
 
 def initialize(plan: ShardingPlan) -> Runtime:
@@ -57,10 +55,21 @@ def initialize(plan: ShardingPlan) -> Runtime:
         spec = plan.mesh.resolve(devices)
         mesh = xs.Mesh(np.arange(devices), layout.mesh_shape(spec), placement.MESH_AXES)
         xs.set_global_mesh(mesh)
-        return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices,
-                       xr.process_count())
+        hosts = xr.process_count()
+        data_slice = _host_data_slice(devices) if hosts > 1 else (0, 1)
+        if hosts > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="xla://")  # rank: xr.process_index(), one per host
+        return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices, hosts,
+                       data_slice)
     return Runtime(False, torch_xla.device(), xr.device_type(), None, xr.global_ordinal(), xr.world_size(),
-                   xr.world_size())
+                   xr.world_size(), (xr.global_ordinal(), xr.world_size()))
+
+
+def _host_data_slice(devices: int) -> tuple:
+    """This host's rows of the global batch (placement.host_data_slice) over the devices its process drives, each
+    device a row of its own (launch.check_slice_plan)."""
+    mine = [int(device.rsplit(":", 1)[1]) for device in torch_xla._XLAC._xla_get_runtime_devices()]
+    return placement.host_data_slice(mine, devices, devices, "plan.fsdp_size")
 
 
 class _PartialShardingSpec(xs.ShardingSpec):
@@ -100,9 +109,13 @@ def device_sum(runtime: Runtime, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def host_sum(runtime: Runtime, value: float) -> float:
-    """A Python number summed over processes: FSDP v1's (one per device), or several SPMD hosts'."""
+    """A Python number summed over processes: FSDP v1's (one per device), or several SPMD hosts' (gloo)."""
     if runtime.process_count == 1:
         return value
+    if runtime.spmd:
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total.item())
     return float(xm.mesh_reduce("portable_fsdp.host_sum", value, sum))
 
 
@@ -119,7 +132,11 @@ def gather_rows(runtime: Runtime, tensor: torch.Tensor) -> np.ndarray:
 
 
 def barrier(runtime: Runtime, tag: str = "portable_fsdp") -> None:
-    if runtime.process_count > 1:
+    if runtime.process_count == 1:
+        return
+    if runtime.spmd:
+        dist.barrier()
+    else:
         xm.rendezvous(tag)
 
 

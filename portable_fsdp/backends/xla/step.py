@@ -190,7 +190,8 @@ def placement(state: TrainState) -> Placement:
 
 
 def barrier(state: TrainState, timeout_s: float | None = None) -> None:
-    """xm.rendezvous, which train.collective_timeout_s does not bound: `timeout_s` has nothing to lengthen."""
+    """xm.rendezvous (FSDP v1) or the SPMD hosts' gloo group (runtime.barrier), neither bounded by
+    train.collective_timeout_s: `timeout_s` has nothing to lengthen."""
     rt.barrier(state.ctx.runtime)
 
 
