@@ -63,3 +63,16 @@ def test_a_slice_of_several_hosts_runs_everywhere_with_a_shared_workdir(script):
     args, _ = parse_args(training_argv(line))
     assert args.workdir == "$WORKDIR"  # the script's argument, which its usage line asks to be a bucket
     assert "gs://BUCKET/RUN" in (EXAMPLES / script).read_text()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_host_can_feed_the_plan_of_its_slice(script):
+    """The recipe variant's resolved plan passes the check every host of the slice makes before torch_xla starts
+    (a v5p-N slice has a host per 4 chips)."""
+    from portable_fsdp.backends.xla.launch import check_slice_plan
+    from portable_fsdp.config.schema import load_recipe
+    from portable_fsdp.config.validate import resolve_plan
+
+    args, _ = parse_args(training_argv(launch_line(script)))
+    chips = CHIPS[SCRIPTS[script][0]]
+    check_slice_plan(resolve_plan(load_recipe(str(ROOT / args.config)), chips), hosts=chips // 4)
