@@ -114,6 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
     # cross-entropy a chunk at a time, never a whole micro-batch's logits); 0 = all at once
     c.train.loss_chunk_tokens = 1024
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
+    # rank 0's progress: a bar on a terminal; in a file, SLURM or k8s log one key=value line per train.log_every step
     c.train.progress_bar = True
     # rank 0's records also go to: none, all (every one installed), tensorboard, wandb, or tensorboard,wandb
     c.train.report_to = "none"

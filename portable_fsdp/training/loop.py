@@ -106,10 +106,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         done = state.step
         if done % t.log_every == 0 or done == t.steps:
             tokens_per_sec = sum(n for n, _ in window) / sum(s for _, s in window)
-            log.write({"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                       "skipped_steps": skipped,
-                       "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
-                       "epoch": batches.epoch_of(done), **backend.memory_report(state)})
+            record = {"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                      "skipped_steps": skipped,
+                      "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
+                      "epoch": batches.epoch_of(done), **backend.memory_report(state)}
+            log.write(record)
+            progress.log(record)
             window = []
         bookkeeping += time.perf_counter() - began - seconds
         improved = False
