@@ -113,6 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
     # tokens per device whose logits the training and eval loss computes at once (the output projection and
     # cross-entropy a chunk at a time, never a whole micro-batch's logits); 0 = all at once
     c.train.loss_chunk_tokens = 1024
+    # [FIRST, LAST] (CLI: FIRST,LAST): trace train steps FIRST..LAST (from 1) with the backend's profiler into
+    # WORKDIR/profile (TensorBoard's profiler plugin, Perfetto); [] = no trace
+    c.train.profile_steps = []
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     # rank 0's progress: a bar on a terminal; in a file, SLURM or k8s log one key=value line per train.log_every step
     c.train.progress_bar = True

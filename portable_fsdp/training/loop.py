@@ -22,6 +22,7 @@ from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
 from portable_fsdp.launch.interrupts import InterruptFlag
 from portable_fsdp.training.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
+from portable_fsdp.training.profiling import StepProfiler, profile_window
 from portable_fsdp.training.trackers import open_trackers
 
 
@@ -81,6 +82,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     progress = Progress(t.steps, start, is_main and t.progress_bar)
+    profiler = StepProfiler(backend, profile_window(t.profile_steps, t.steps), workdir / "profile")
     model_flops = flops_per_token(info, config.data.seq_len)
     peak = hardware.peak_flops_per_device(t.peak_flops_per_device, backend.device_kind(state),
                                           plan.mixed_precision.param_dtype,
@@ -94,7 +96,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         best = _Best(record["eval_loss"], record["step"], record["evals_without_improvement"])
     for step in range(start, t.steps):
         began = time.perf_counter()
-        state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+        with profiler.step(state, step + 1):
+            state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
         faults.check("step", where.rank, state.step)
         seconds = time.perf_counter() - began
         step_times.append(seconds)
@@ -134,10 +137,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             saved = checkpoint_session.save(backend, state, workdir, manifest_info, t.keep_last_n, best=new_best,
                                             data_state=batches.state_at(done))
         if interrupted:
+            profiler.stop(state)
             progress.close()
             raise Interrupted(interrupt.requested or "a signal on another rank", saved)
         if stop_reason:
             break
+    profiler.stop(state)
     progress.close()
     async_save.finish()
     end_step = state.step

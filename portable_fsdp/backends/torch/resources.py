@@ -8,6 +8,7 @@ workspaces, which no allocator counter sees. On the CPU every figure is the proc
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -130,3 +131,30 @@ def time_matmul(state: TrainState, size: int, dtype: str) -> float:
 
 def time_all_reduce(state: TrainState, size: int) -> float:
     return all_reduce_seconds(state.ctx.runtime.device, size)
+
+
+_profiler = None  # the torch.profiler.profile running between start_trace and stop_trace
+
+
+def start_trace(state: TrainState, directory) -> None:
+    """torch.profiler over the host and, on CUDA, the GPU; one Chrome trace per rank (`rank<N>.*.pt.trace.json`)
+    that TensorBoard's profiler plugin and Perfetto open."""
+    global _profiler
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if state.ctx.runtime.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    else:  # kineto reports its probe for a GPU as an ERROR line on a machine without one
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    handler = torch.profiler.tensorboard_trace_handler(str(directory), worker_name=f"rank{dist.get_rank()}")
+    _profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler, profile_memory=True)
+    _profiler.start()
+
+
+def step_annotation(state: TrainState, step: int):
+    return torch.profiler.record_function(f"step {step}")
+
+
+def stop_trace(state: TrainState) -> None:
+    global _profiler
+    _profiler.stop()  # without a schedule, stopping hands the trace to on_trace_ready
+    _profiler = None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.profiler as xp
 import torch_xla.distributed.spmd as xs
 
 from portable_fsdp.machine import host_memory, tpu_vm
@@ -184,3 +185,17 @@ def time_all_reduce(state: TrainState, size: int) -> float:
     seconds = time.perf_counter() - start
     del summed
     return seconds
+
+
+def start_trace(state: TrainState, directory) -> None:
+    """torch_xla's profiler (host and device activity): an XPlane trace under <directory>/plugins/profile/ that
+    TensorBoard's profiler plugin and Perfetto open."""
+    xp.start_trace(str(directory))
+
+
+def step_annotation(state: TrainState, step: int):
+    return xp.StepTrace("train_step", step_num=step)  # a per-step mark in the trace; it syncs the step's graph
+
+
+def stop_trace(state: TrainState) -> None:
+    xp.stop_trace()
