@@ -24,6 +24,15 @@ def test_flax_trace_is_written(tmp_path):
     assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
 
 
+@pytest.mark.slow  # torch_xla compiles the first steps (~40 s)
+def test_xla_trace_is_written(tmp_path):
+    from tests.xla.test_cli import ENV
+
+    proc = cli(PROFILED + ["--backend", "xla", "--workdir", str(tmp_path)], cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
 def test_profile_steps_outside_the_run_is_one_line_naming_the_field(tmp_path):
     proc = cli(PROFILED[:3] + ["--config.train.profile_steps=3,9", "--workdir", str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 2

@@ -194,7 +194,9 @@ def start_trace(state: TrainState, directory) -> None:
 
 
 def step_annotation(state: TrainState, step: int):
-    return xp.StepTrace("train_step", step_num=step)  # a per-step mark in the trace; it syncs the step's graph
+    # The host-side mark under xp.Trace / xp.StepTrace: those also push an IR scope, which names the step's
+    # operations (graphs that differ per step) and, in StepTrace, refuses the sync a step ends with.
+    return torch_xla._XLAC.profiler.TraceMe(f"step {step}")
 
 
 def stop_trace(state: TrainState) -> None:
