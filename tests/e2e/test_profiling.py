@@ -24,7 +24,7 @@ def test_flax_trace_is_written(tmp_path):
     assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
 
 
-@pytest.mark.slow  # torch_xla compiles the first steps (~40 s)
+@pytest.mark.slow  # torch_xla compiles the first steps (~80 s on 2 cores)
 def test_xla_trace_is_written(tmp_path):
     from tests.xla.test_cli import ENV
 
