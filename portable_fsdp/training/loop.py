@@ -81,6 +81,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         if is_main else None
     log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
+    if is_main:
+        print(summary(_startup(config, plan, info, backend_name, where, backend.device_kind(state), workdir)),
+              flush=True)
     progress = Progress(t.steps, start, is_main and t.progress_bar)
     profiler = StepProfiler(backend, profile_window(t.profile_steps, t.steps), workdir / "profile")
     model_flops = flops_per_token(info, config.data.seq_len)
@@ -175,6 +178,25 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     if is_main:
         print(summary(result), flush=True)
     return result
+
+
+def _startup(config, plan, info, backend_name, where, device_kind, workdir) -> dict:
+    """What a run is, printed once by rank 0 before its first step: the head of a log someone reads later."""
+    mesh = dataclasses.asdict(plan.mesh)
+    axes = " x ".join(f"{name.removesuffix('_size')} {size}" for name, size in mesh.items() if size != 1)
+    precision = plan.mixed_precision
+    d, t = config.data, config.train
+    name = " ".join(part for part in (info.root_class, f"({info.model_type})" if info.model_type else "") if part)
+    return {"model": f"{name or config.model.architecture}, {info.n_params / 1e6:,.2f}M parameters, "
+                     f"{info.n_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}",
+            "backend": f"{backend_name}, {where.world_size} rank(s) in {where.processes} process(es)",
+            "devices": f"{where.world_size} x {device_kind}",
+            "mesh": axes or "one rank",
+            "precision": f"compute {precision.param_dtype}, gradient reduction {precision.reduce_dtype}",
+            "data": f"{d.source} ({d.format}, tokenizer {d.tokenizer}), {d.seq_len} tokens per sequence, "
+                    f"{t.batch_size} sequences per step",
+            "steps": f"{t.steps} (lr {t.lr:g}, {t.lr_schedule}, warm-up {t.warmup_steps})",
+            "workdir": str(workdir)}
 
 
 def _summary(backend_name, where, start, end, seconds, step_times, first_loss, last, evaluated, saved,

@@ -278,3 +278,14 @@ def test_a_run_outside_a_terminal_prints_one_key_value_line_per_logged_step(tmp_
 def test_progress_bar_false_prints_no_step_lines(tmp_path, capsys):
     run(tmp_path, ScriptedBackend([1.0]), steps=2, eval_every=0, progress_bar=False)
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_rank_0_prints_what_the_run_is_before_its_first_step(tmp_path, capsys):
+    run(tmp_path, ScriptedBackend([1.0]), steps=2, eval_every=0)
+    head = capsys.readouterr().out.splitlines()[:8]
+    assert [line.split()[0] for line in head] == ["model", "backend", "devices", "mesh", "precision", "data", "steps",
+                                                  "workdir"]
+    assert head[0].split(None, 1)[1] == "llama, 0.00M parameters, 2 layers, hidden 64, vocab 384"
+    assert head[1].split(None, 1)[1] == "cpu, 1 rank(s) in 1 process(es)"
+    assert head[4].split(None, 1)[1] == "compute float32, gradient reduction float32"
+    assert head[7].split(None, 1)[1] == str(tmp_path)
