@@ -252,6 +252,10 @@ class Backend(Protocol):
     def stop_trace(self, state: TrainState) -> None:
         """Stop the profiler `start_trace` started and write its trace."""
 
+    def watch_memory(self, state: TrainState, path: pathlib.Path) -> bool:
+        """Keep the device allocator's history so that a step running out of memory writes it to `path` before
+        the error; False where the device keeps none (only CUDA's caching allocator does)."""
+
     def model_info(self, state: TrainState) -> ModelInfo:
         """The `describe_model` of the model this state trains."""
 

@@ -119,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
     # [FIRST, LAST] (CLI: FIRST,LAST): trace train steps FIRST..LAST (from 1) with the backend's profiler into
     # WORKDIR/profile (TensorBoard's profiler plugin, Perfetto); [] = no trace
     c.train.profile_steps = []
+    # cuda: record the allocator's history; a step that runs out of memory first writes it to
+    # WORKDIR/memory_snapshot.pickle (pytorch.org/memory_viz). Always on while train.profile_steps traces
+    c.train.memory_snapshot = False
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
     # rank 0's progress: a bar on a terminal; in a file, SLURM or k8s log one key=value line per train.log_every step
     c.train.progress_bar = True

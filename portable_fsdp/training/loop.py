@@ -18,7 +18,7 @@ from portable_fsdp.machine import hardware
 
 from portable_fsdp.training import faults
 from portable_fsdp.data.loader import open_data
-from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError, notify
 from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
 from portable_fsdp.launch.interrupts import InterruptFlag
 from portable_fsdp.training.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
@@ -85,7 +85,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         print(summary(_startup(config, plan, info, backend_name, where, backend.device_kind(state), workdir)),
               flush=True)
     progress = Progress(t.steps, start, is_main and t.progress_bar)
-    profiler = StepProfiler(backend, profile_window(t.profile_steps, t.steps), workdir / "profile")
+    profiled = profile_window(t.profile_steps, t.steps)
+    profiler = StepProfiler(backend, profiled, workdir / "profile")
+    if t.memory_snapshot or profiled:  # asked for, or beside a trace
+        watched = backend.watch_memory(state, workdir / "memory_snapshot.pickle")
+        if t.memory_snapshot and not watched and is_main:
+            notify(f"train.memory_snapshot has no effect on {backend_name}: only CUDA's allocator keeps a history")
     model_flops = flops_per_token(info, config.data.seq_len)
     peak = hardware.peak_flops_per_device(t.peak_flops_per_device, backend.device_kind(state),
                                           plan.mixed_precision.param_dtype,

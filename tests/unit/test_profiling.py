@@ -49,3 +49,27 @@ def test_the_trace_covers_the_window_steps_this_run_reaches(tmp_path, steps, exp
     profiler.stop(None)
     assert backend.calls == expected
     assert (tmp_path / "profile").is_dir()
+
+
+def torch_state(device_type):
+    """What watch_memory reads of a torch backend's state: the device it runs on (injected: no GPU here)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ctx=SimpleNamespace(runtime=SimpleNamespace(device=SimpleNamespace(type=device_type))))
+
+
+def test_a_cuda_out_of_memory_writes_the_watched_history_before_the_error(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    from portable_fsdp.backends.torch import resources
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    monkeypatch.setattr(resources, "_snapshot_path", None)
+    assert resources.watch_memory(torch_state("cpu"), tmp_path / "s.pickle") is False and calls == []
+    assert resources.watch_memory(torch_state("cuda"), tmp_path / "s.pickle") is True
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with resources.snapshot_on_out_of_memory():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert calls == [("record", {"max_entries": 100_000}), ("dump", str(tmp_path / "s.pickle"))]
+    assert "pytorch.org/memory_viz" in capsys.readouterr().err
