@@ -45,8 +45,8 @@ class Progress:
     one grep-able `key=value` line per logged step on stdout, which a bar would fill with carriage returns.
     Silent on other ranks or when switched off."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, terminal: bool | None = None):
-        terminal = sys.stdout.isatty() if terminal is None else terminal
+    def __init__(self, total: int, initial: int, enabled: bool):
+        terminal = sys.stdout.isatty()
         self._bar = None
         self._lines = enabled and not terminal
         self._total, self._initial, self._began = total, initial, time.perf_counter()
