@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from contextlib import AbstractContextManager
 from typing import Protocol, Sequence, TypedDict
 
 # The keys of `Backend.memory_report`, on every backend: each maps to one value per rank (per device under
@@ -240,6 +241,20 @@ class Backend(Protocol):
         """Seconds one all-reduce (a sum) of `size` bytes of float32 over every device of the run takes, every
         device's operand already in place, until every result is ready: the primitive behind the measured
         collective bandwidth, which `portable_fsdp.machine.hardware` warms up, repeats and turns into bus bandwidth."""
+
+    def start_trace(self, state: TrainState, directory: pathlib.Path) -> None:
+        """Start this framework's profiler, recording what this process runs until `stop_trace`; the trace is
+        written under `directory` in a form TensorBoard's profiler plugin and Perfetto open."""
+
+    def step_annotation(self, state: TrainState, step: int) -> AbstractContextManager:
+        """A context manager around one train step that names it (`step` counted from 1) in the trace."""
+
+    def stop_trace(self, state: TrainState) -> None:
+        """Stop the profiler `start_trace` started and write its trace."""
+
+    def watch_memory(self, state: TrainState, path: pathlib.Path) -> bool:
+        """Keep the device allocator's history so that a step running out of memory writes it to `path` before
+        the error; False where the device keeps none (only CUDA's caching allocator does)."""
 
     def model_info(self, state: TrainState) -> ModelInfo:
         """The `describe_model` of the model this state trains."""

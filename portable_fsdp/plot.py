@@ -1,7 +1,8 @@
 """`python -m portable_fsdp.plot WORKDIR [WORKDIR ...] [--out FILE.png]`
 
 Draws what runs logged in WORKDIR/metrics.jsonl over their steps — training loss, eval loss, learning rate,
-tokens/s and peak memory per rank — into one PNG, several runs overlaid with a legend naming each workdir.
+gradient norm, tokens/s, MFU and peak memory per rank — into one PNG, several runs overlaid, each in its own colour
+and marker, with a legend naming each workdir.
 Default output: WORKDIR/metrics.png for one run, runs.png in the current directory for several.
 """
 from __future__ import annotations
@@ -16,7 +17,12 @@ from portable_fsdp.cli import Parser
 
 # (metrics.jsonl key, panel title). peak_mem_mb is a list, one entry per rank (per device under SPMD / JAX).
 PANELS = (("loss", "training loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"),
-          ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak memory per rank (MiB)"))
+          ("grad_norm", "gradient norm (before clipping)"), ("tokens_per_sec", "tokens/s"),
+          ("mfu", "MFU (fraction of peak FLOPs)"), ("peak_mem_mb", "peak memory per rank (MiB)"))
+# Each run's marker (its colour comes from matplotlib's cycle), so overlapping runs stay apart in grey print too.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# A run's ranks in the memory panel: its colour, one line style each.
+RANK_STYLES = ("-", "--", ":", "-.")
 # Above this many ranks a run's memory is drawn as its largest and smallest rank, not one line per rank.
 PER_RANK_LINES = 8
 
@@ -73,8 +79,8 @@ def read_records(workdir: pathlib.Path) -> list:
 
 
 def lines(runs: dict) -> dict:
-    """{run name: records} -> {panel key: [(label, steps, values), ...]}: one line per run in each panel that run
-    logged, and in the memory panel one per rank (or the largest and smallest rank past PER_RANK_LINES ranks)."""
+    """{run name: records} -> {panel key: [(run, label, steps, values), ...]}: one line per run in each panel that
+    run logged, and in the memory panel one per rank (or the largest and smallest rank past PER_RANK_LINES ranks)."""
     out = {key: [] for key, _ in PANELS}
     for name, records in runs.items():
         for key, _ in PANELS:
@@ -86,26 +92,33 @@ def lines(runs: dict) -> dict:
                 continue
             steps = sorted(by_step)
             if key != "peak_mem_mb":
-                out[key].append((name, steps, [by_step[s] for s in steps]))
+                out[key].append((name, name, steps, [by_step[s] for s in steps]))
                 continue
             ranks = max(len(v) if isinstance(v, list) else 1 for v in by_step.values())
             per_step = [v if isinstance(v, list) else [v] for v in (by_step[s] for s in steps)]
             if ranks <= PER_RANK_LINES:
                 for rank in range(ranks):
                     kept = [(s, v[rank]) for s, v in zip(steps, per_step) if rank < len(v)]
-                    out[key].append((f"{name} rank {rank}", [s for s, _ in kept], [v for _, v in kept]))
+                    out[key].append((name, f"{name} rank {rank}", [s for s, _ in kept], [v for _, v in kept]))
             else:
-                out[key].append((f"{name} max", steps, [max(v) for v in per_step]))
-                out[key].append((f"{name} min", steps, [min(v) for v in per_step]))
+                out[key].append((name, f"{name} max", steps, [max(v) for v in per_step]))
+                out[key].append((name, f"{name} min", steps, [min(v) for v in per_step]))
     return out
 
 
-def draw(panels: dict, path: pathlib.Path, title: str) -> None:
+def figure(panels: dict):
+    """The figure of `lines(...)`: a panel per PANELS entry; each run keeps one colour and marker in every panel."""
     plt = pyplot()
-    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
+    runs = list(dict.fromkeys(run for drawn in panels.values() for run, *_ in drawn))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(4, 2, figsize=(11, 12), sharex=True)
     for ax, (key, label) in zip(axes.flat, PANELS):
-        for name, steps, values in panels[key]:
-            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=name)
+        for index, (run, name, steps, values) in enumerate(panels[key]):
+            number = runs.index(run)
+            rank = sum(1 for other, *_ in panels[key][:index] if other == run)
+            ax.plot(steps, values, label=name, color=colours[number % len(colours)],
+                    marker=MARKERS[number % len(MARKERS)], markevery=max(1, len(steps) // 12), markersize=4,
+                    linestyle=RANK_STYLES[rank % len(RANK_STYLES)])
         ax.set_title(label, fontsize=10)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
@@ -113,11 +126,15 @@ def draw(panels: dict, path: pathlib.Path, title: str) -> None:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         elif len(panels[key]) > 1:
             ax.legend(fontsize=7)
-    axes[2, 1].axis("off")  # five panels: the one above the empty slot shows the steps
-    axes[1, 1].xaxis.set_tick_params(labelbottom=True)
-    for ax in (axes[2, 0], axes[1, 1]):
+    axes[3, 1].axis("off")  # seven panels: the one above the empty slot shows the steps
+    axes[2, 1].xaxis.set_tick_params(labelbottom=True)
+    for ax in (axes[3, 0], axes[2, 1]):
         ax.set_xlabel("step")
-    save_figure(fig, path, title)
+    return fig
+
+
+def draw(panels: dict, path: pathlib.Path, title: str) -> None:
+    save_figure(figure(panels), path, title)
 
 
 def main(argv=None) -> int:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import textwrap
 
 from portable_fsdp import backends
 
 from portable_fsdp.config import accelerate as accelerate_launch
 from portable_fsdp.launch import cluster
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
-from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.config.schema import (DEFAULT_RECIPE, apply_override, base_config, command_line_text, field_meanings,
+                                         flat_fields, load_recipe)
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
@@ -26,7 +28,7 @@ PARALLELISM_FLAGS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
 
 
 def parse_args(argv):
-    parser = Parser(prog="python -m portable_fsdp.run", description=__doc__,
+    parser = Parser(prog="python -m portable_fsdp.run", description=__doc__, epilog=fields_help(),
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
                         help="auto = xla on a TPU or when plan.xla is true, cuda when a GPU is present, else cpu; "
@@ -38,12 +40,32 @@ def parse_args(argv):
                         help='Hugging Face TrainingArguments\' fsdp: option words, e.g. "full_shard auto_wrap offload", '
                              'or true')
     parser.add_argument("--fsdp_config", default=None, help="a Hugging Face fsdp_config JSON or an Accelerate YAML")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the config the run would use (recipe, fsdp files and overrides applied) and exit")
     parallelism = parser.add_argument_group("Accelerate's ParallelismConfig flags (read with --use_parallelism_config)")
     parallelism.add_argument("--use_parallelism_config", action="store_true")
     for name in PARALLELISM_FLAGS:
         parallelism.add_argument(f"--parallelism_config_{name}", default=None, metavar="VALUE")
     args, rest = parser.parse_known_args(argv)
     return args, config_overrides(rest)
+
+
+def fields_help() -> str:
+    """Every config field with its default and meaning, from the schema (portable_fsdp/config/schema.py)."""
+    defaults = flat_fields(base_config())
+    entries = [f"  {field} = {shown(defaults[field])}\n"
+               + textwrap.fill(meaning, 116, initial_indent=" " * 6, subsequent_indent=" " * 6)
+               for field, meaning in field_meanings().items()]
+    return "config fields (set any with --config.FIELD=VALUE; shown with their defaults):\n" + "\n".join(entries)
+
+
+def shown(value) -> str:
+    return command_line_text(value) or '""'  # an empty string stays visible
+
+
+def print_config(config) -> None:
+    for field, value in flat_fields(config).items():
+        print(f"{field} = {shown(value)}")
 
 
 def apply_parallelism_flags(config, args) -> None:
@@ -78,6 +100,9 @@ def main(argv=None) -> int:
         apply_parallelism_flags(config, args)
         for key, value in overrides:
             apply_override(config, key, value)
+        if args.print_config:
+            print_config(config)
+            return 0
         if args.nproc is not None and args.nproc < 1:
             raise UserError("--nproc", f"must be at least 1 (got {args.nproc})")
         from portable_fsdp.launch.launcher import under_torchrun

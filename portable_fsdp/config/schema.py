@@ -1,6 +1,7 @@
 """The config schema (an ml_collections ConfigDict), recipe loading and `--config.a.b=value` overrides.
 
-`base_config()` is the schema: every field a run understands, with its default and type. Recipes in
+`base_config()` is the schema: every field a run understands, with its default and type, and its meaning in the
+comment beside it or just above (what `--help` lists; plan fields carry theirs in portable_fsdp/plan.py). Recipes in
 `portable_fsdp/configs/` start from it and change values; the command line may change any field but add none.
 """
 from __future__ import annotations
@@ -8,9 +9,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import pathlib
+import re
 
 import ml_collections
 
@@ -25,25 +28,25 @@ MAPPING_FIELDS = frozenset({"model.config_overrides",
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0
+    c.seed = 0  # initial weights, data order and dropout
 
     c.model = ml_collections.ConfigDict()
     c.model.init_from = ""  # weights: a local Hugging Face model directory, or (online) a hub id; empty = random init
     c.model.architecture = "llama"  # random init: a transformers model_type (llama, qwen2, mistral, mixtral, ...)
     c.model.config_from = ""  # random init from a config.json (a file, its directory, or online a hub id): its sizes
     c.model.config_overrides = mapping({})  # config.json keys set on top of any of these, e.g. {"num_local_experts": 8}
-    c.model.vocab_size = 384
-    c.model.hidden_size = 128
-    c.model.intermediate_size = 352
-    c.model.num_hidden_layers = 4
-    c.model.num_attention_heads = 4
-    c.model.num_key_value_heads = 2
-    c.model.max_position_embeddings = 1024
-    c.model.rope_theta = 10000.0
-    c.model.rms_norm_eps = 1e-6
-    c.model.tie_word_embeddings = False
-    c.model.initializer_range = 0.02
-    c.model.attn_implementation = "sdpa"
+    c.model.vocab_size = 384  # random init: the model's sizes (a config.json or init_from sets its own)
+    c.model.hidden_size = 128  # width of the residual stream
+    c.model.intermediate_size = 352  # width of the MLP
+    c.model.num_hidden_layers = 4  # decoder layers
+    c.model.num_attention_heads = 4  # query heads
+    c.model.num_key_value_heads = 2  # key/value heads (fewer than query heads: grouped-query attention)
+    c.model.max_position_embeddings = 1024  # longest sequence the model is built for
+    c.model.rope_theta = 10000.0  # base of the rotary position embedding
+    c.model.rms_norm_eps = 1e-6  # epsilon of the RMS norms
+    c.model.tie_word_embeddings = False  # the output projection shares the input embedding table
+    c.model.initializer_range = 0.02  # standard deviation of random init
+    c.model.attn_implementation = "sdpa"  # transformers' attention kernel: sdpa, eager, ...
 
     c.data = ml_collections.ConfigDict()
     # "bundled", a local text file, a local `datasets` file (.jsonl/.csv/.parquet) / save_to_disk directory, or a hub
@@ -52,13 +55,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.name = ""  # a hub dataset's configuration
     c.data.split = "train"  # the split of a hub dataset or a saved DatasetDict
     c.data.revision = ""  # a hub dataset's branch, tag or commit; empty = main
-    c.data.text_column = "text"
+    c.data.text_column = "text"  # format=text: the column holding the documents
     # "text", or "chat": rows of messages rendered by the tokenizer's chat template, the loss on assistant tokens only
     c.data.format = "text"
     c.data.messages_column = "messages"  # format=chat: the column of [{role, content}, ...]
     c.data.tokenizer = "byte"  # "byte" or a local tokenizer directory (AutoTokenizer.from_pretrained)
-    c.data.seq_len = 128
-    c.data.eval_fraction = 0.05
+    c.data.seq_len = 128  # tokens per training sequence (documents are packed)
+    c.data.eval_fraction = 0.05  # the share of documents held out for evaluation
     c.data.document_masking = False  # packed documents attend only within themselves (position ids restart)
     # the token cache (portable_fsdp/data/cache.py): "" = $PORTABLE_FSDP_DATA_CACHE or ~/.cache/portable_fsdp/data
     c.data.cache_dir = ""
@@ -67,11 +70,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_sequences = 64  # streaming: the stream's first sequences, held out as the eval split
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 300
+    c.train.steps = 300  # optimizer steps of the run
     c.train.batch_size = 8  # global sequences per optimizer step
-    c.train.grad_accum_steps = 1
+    c.train.grad_accum_steps = 1  # micro-batches per optimizer step
     c.train.eval_batch_size = 8  # global sequences per eval step
-    c.train.eval_every = 100
+    c.train.eval_every = 100  # evaluate every this many steps (and at the end); 0 = only at the end
     c.train.eval_max_batches = 0  # 0 = the whole eval split
     # "", "token_accuracy", "package.module:function(predictions, labels) -> dict" or Hugging Face Trainer's
     # "package.module:function(eval_prediction) -> dict", which receives logits (training/evaluation.py)
@@ -81,31 +84,31 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.preprocess_logits_for_metrics = ""
     c.train.early_stopping_patience = 0  # stop after this many evals without a better eval_loss; 0 = never
     c.train.load_best_model_at_end = False  # end with the weights of the best eval_loss (kept on disk as `best`)
-    c.train.log_every = 10
+    c.train.log_every = 10  # a metrics record (and a progress line) every this many steps
     c.train.save_every = 0  # 0 = only at the end
-    c.train.keep_last_n = 2
+    c.train.keep_last_n = 2  # checkpoints kept; older ones are deleted
     # FULL checkpoints: weights split into safetensors files of at most this size (+ an index), as save_pretrained
     # does (5GB: what hub models use; transformers 5's own default is 50GB), and stored in save_dtype: float32 |
     # bfloat16 (half the bytes; a resume casts back and is not bit-exact)
     c.train.max_shard_size = "5GB"
-    c.train.save_dtype = "float32"
+    c.train.save_dtype = "float32"  # FULL checkpoints' weights: float32 or bfloat16 (see train.max_shard_size)
     # SHARDED saves on cpu/cuda: write in the background while training goes on (committed once every rank wrote)
     c.train.async_save = False
     # SHARDED_STATE_DICT runs: once the last step is done (train.steps reached, or early stopping), also write
     # WORKDIR/export/, the model as from_pretrained loads it (weights in save_dtype, config, tokenizer; no
     # optimizer state). Not after train.stop_at_step or an interrupt (the run goes on later). FULL: a no-op.
     c.train.export_full_at_end = False
-    c.train.resume = False
+    c.train.resume = False  # continue from the workdir's latest checkpoint
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
-    c.train.lr = 3e-3
-    c.train.min_lr_ratio = 0.1
+    c.train.lr = 3e-3  # peak learning rate (AdamW)
+    c.train.min_lr_ratio = 0.1  # the schedule ends at this fraction of train.lr
     c.train.lr_schedule = "cosine"  # after the warm-up: cosine or linear decay to min_lr_ratio * lr, or constant
-    c.train.warmup_steps = 20
-    c.train.weight_decay = 0.1
-    c.train.beta1 = 0.9
-    c.train.beta2 = 0.95
-    c.train.eps = 1e-8
+    c.train.warmup_steps = 20  # linear warm-up from 0 to train.lr
+    c.train.weight_decay = 0.1  # AdamW's decoupled weight decay
+    c.train.beta1 = 0.9  # AdamW's first-moment decay
+    c.train.beta2 = 0.95  # AdamW's second-moment decay
+    c.train.eps = 1e-8  # AdamW's epsilon
     c.train.max_grad_norm = 1.0  # 0 = no clipping
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
     c.train.freeze = []  # regexes of parameter names to keep frozen (e.g. ["embed_tokens"]; CLI: comma-separated)
@@ -113,18 +116,41 @@ def base_config() -> ml_collections.ConfigDict:
     # tokens per device whose logits the training and eval loss computes at once (the output projection and
     # cross-entropy a chunk at a time, never a whole micro-batch's logits); 0 = all at once
     c.train.loss_chunk_tokens = 1024
+    # [FIRST, LAST] (CLI: FIRST,LAST): trace train steps FIRST..LAST (from 1) with the backend's profiler into
+    # WORKDIR/profile (TensorBoard's profiler plugin, Perfetto); [] = no trace
+    c.train.profile_steps = []
+    # cuda: record the allocator's history; a step that runs out of memory first writes it to
+    # WORKDIR/memory_snapshot.pickle (pytorch.org/memory_viz). Always on while train.profile_steps traces
+    c.train.memory_snapshot = False
     c.train.peak_flops_per_device = 0.0  # for MFU; 0 = measure a matmul (CPU) or look up the GPU
+    # rank 0's progress: a bar on a terminal; in a file, SLURM or k8s log one key=value line per train.log_every step
     c.train.progress_bar = True
     # rank 0's records also go to: none, all (every one installed), tensorboard, wandb, or tensorboard,wandb
     c.train.report_to = "none"
     c.train.wandb_project = ""  # report_to=wandb: the W&B project; empty = "portable_fsdp"
-    c.train.collective_timeout_s = 300
+    c.train.collective_timeout_s = 300  # seconds a rank waits in a collective before the run fails naming it
     c.train.check_fit = False  # estimate memory per rank first (portable_fsdp.estimate); refuse a run that cannot fit
 
     # Declared once, in portable_fsdp/plan.py: defaults, meanings and the Hugging Face keys that set them.
     c.plan = ml_collections.ConfigDict({f.name: mapping(f.config_default) if isinstance(f.default, dict)
                                         else f.config_default for f in plan_lib.plan_fields()})
     return c
+
+
+def field_meanings() -> dict:
+    """{"section.field": meaning} of every field: base_config's comments and the plan fields' docs."""
+    meanings, above = {}, []
+    for line in inspect.getsource(base_config).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# "))
+            continue
+        assigned = re.match(r"c\.([\w.]+) = .*?(?:  # (.*))?$", text)
+        if assigned:
+            meanings[assigned[1]] = " ".join(above + [assigned[2] or ""]).strip()
+        above = []
+    meanings.update({f"plan.{f.name}": f.doc for f in plan_lib.plan_fields()})
+    return {field: meanings[field] for field in _all_fields(base_config())}  # sections carry no meaning
 
 
 def mapping(value: dict) -> ml_collections.ConfigDict:

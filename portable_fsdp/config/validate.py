@@ -12,6 +12,7 @@ from portable_fsdp.backend import ModelInfo
 from portable_fsdp.config.schema import flat_fields
 from portable_fsdp.errors import UserError, notify
 from portable_fsdp.training.evaluation import resolve_metrics, resolve_preprocess
+from portable_fsdp.training.profiling import profile_window
 from portable_fsdp.mesh_fit import check_mesh_fits
 from portable_fsdp.training.schedule import SHAPES as SCHEDULE_SHAPES
 from portable_fsdp.training.sequence_split import check_divisible
@@ -120,6 +121,7 @@ def check_train_fields(config, data_parallel_size: int) -> None:
     resolve_preprocess(t.preprocess_logits_for_metrics, resolve_metrics(t.compute_metrics))
     trackers.resolve(t.report_to)  # a tracker that is not installed: one line before anything starts
     _check_checkpoint_fields(t)
+    profile_window(t.profile_steps, t.steps)
     if t.lr_schedule not in SCHEDULE_SHAPES:
         raise UserError("train.lr_schedule", f"unknown value {t.lr_schedule!r}; choose one of {', '.join(SCHEDULE_SHAPES)}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

@@ -18,10 +18,11 @@ from portable_fsdp.machine import hardware
 
 from portable_fsdp.training import faults
 from portable_fsdp.data.loader import open_data
-from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
+from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError, notify
 from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
 from portable_fsdp.launch.interrupts import InterruptFlag
 from portable_fsdp.training.metrics import MetricsLog, Progress, Stopwatch, flops_per_token, summary
+from portable_fsdp.training.profiling import StepProfiler, profile_window
 from portable_fsdp.training.trackers import open_trackers
 
 
@@ -80,7 +81,16 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         if is_main else None
     log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
+    if is_main:
+        print(summary(_startup(config, plan, info, backend_name, where, backend.device_kind(state), workdir)),
+              flush=True)
     progress = Progress(t.steps, start, is_main and t.progress_bar)
+    profiled = profile_window(t.profile_steps, t.steps)
+    profiler = StepProfiler(backend, profiled, workdir / "profile")
+    if t.memory_snapshot or profiled:  # asked for, or beside a trace
+        watched = backend.watch_memory(state, workdir / "memory_snapshot.pickle")
+        if t.memory_snapshot and not watched and is_main:
+            notify(f"train.memory_snapshot has no effect on {backend_name}: only CUDA's allocator keeps a history")
     model_flops = flops_per_token(info, config.data.seq_len)
     peak = hardware.peak_flops_per_device(t.peak_flops_per_device, backend.device_kind(state),
                                           plan.mixed_precision.param_dtype,
@@ -94,7 +104,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         best = _Best(record["eval_loss"], record["step"], record["evals_without_improvement"])
     for step in range(start, t.steps):
         began = time.perf_counter()
-        state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
+        with profiler.step(state, step + 1):
+            state, m = backend.train_step(state, batches.micro_batches(step, where.dp_rank, where.dp_size))
         faults.check("step", where.rank, state.step)
         seconds = time.perf_counter() - began
         step_times.append(seconds)
@@ -106,10 +117,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
         done = state.step
         if done % t.log_every == 0 or done == t.steps:
             tokens_per_sec = sum(n for n, _ in window) / sum(s for _, s in window)
-            log.write({"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                       "skipped_steps": skipped,
-                       "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
-                       "epoch": batches.epoch_of(done), **backend.memory_report(state)})
+            record = {"step": done, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                      "skipped_steps": skipped,
+                      "tokens_per_sec": tokens_per_sec, "mfu": model_flops * tokens_per_sec / (peak * where.world_size),
+                      "epoch": batches.epoch_of(done), **backend.memory_report(state)}
+            log.write(record)
+            progress.log(record)
             window = []
         bookkeeping += time.perf_counter() - began - seconds
         improved = False
@@ -132,10 +145,12 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             saved = checkpoint_session.save(backend, state, workdir, manifest_info, t.keep_last_n, best=new_best,
                                             data_state=batches.state_at(done))
         if interrupted:
+            profiler.stop(state)
             progress.close()
             raise Interrupted(interrupt.requested or "a signal on another rank", saved)
         if stop_reason:
             break
+    profiler.stop(state)
     progress.close()
     async_save.finish()
     end_step = state.step
@@ -168,6 +183,25 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
     if is_main:
         print(summary(result), flush=True)
     return result
+
+
+def _startup(config, plan, info, backend_name, where, device_kind, workdir) -> dict:
+    """What a run is, printed once by rank 0 before its first step: the head of a log someone reads later."""
+    mesh = dataclasses.asdict(plan.mesh)
+    axes = " x ".join(f"{name.removesuffix('_size')} {size}" for name, size in mesh.items() if size != 1)
+    precision = plan.mixed_precision
+    d, t = config.data, config.train
+    name = " ".join(part for part in (info.root_class, f"({info.model_type})" if info.model_type else "") if part)
+    return {"model": f"{name or config.model.architecture}, {info.n_params / 1e6:,.2f}M parameters, "
+                     f"{info.n_layers} layers, hidden {info.hidden_size}, vocab {info.vocab_size}",
+            "backend": f"{backend_name}, {where.world_size} rank(s) in {where.processes} process(es)",
+            "devices": f"{where.world_size} x {device_kind}",
+            "mesh": axes or "one rank",
+            "precision": f"compute {precision.param_dtype}, gradient reduction {precision.reduce_dtype}",
+            "data": f"{d.source} ({d.format}, tokenizer {d.tokenizer}), {d.seq_len} tokens per sequence, "
+                    f"{t.batch_size} sequences per step",
+            "steps": f"{t.steps} (lr {t.lr:g}, {t.lr_schedule}, warm-up {t.warmup_steps})",
+            "workdir": str(workdir)}
 
 
 def _summary(backend_name, where, start, end, seconds, step_times, first_loss, last, evaluated, saved,

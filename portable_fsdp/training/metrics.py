@@ -1,6 +1,7 @@
 """Metrics: the model-FLOPs formula, the JSONL log, the progress bar and the end-of-run summary."""
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import sys
@@ -40,11 +41,16 @@ class MetricsLog:
 
 
 class Progress:
-    """A tqdm bar on rank 0 (stderr); silent elsewhere or when switched off."""
+    """Rank 0's progress: a tqdm bar (stderr) when stdout is a terminal; otherwise (a file, SLURM, k8s, a pipe)
+    one grep-able `key=value` line per logged step on stdout, which a bar would fill with carriage returns.
+    Silent on other ranks or when switched off."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
+        terminal = sys.stdout.isatty()
         self._bar = None
-        if enabled:
+        self._lines = enabled and not terminal
+        self._total, self._initial, self._began = total, initial, time.perf_counter()
+        if enabled and terminal:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -54,9 +60,26 @@ class Progress:
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
 
+    def log(self, record: dict) -> None:
+        """One line for a logged step's record (the keys MetricsLog writes)."""
+        if self._lines:
+            done = record["step"] - self._initial
+            eta = (time.perf_counter() - self._began) / done * (self._total - record["step"]) if done else 0.0
+            print(progress_line(record, self._total, eta), flush=True)
+
     def close(self) -> None:
         if self._bar:
             self._bar.close()
+
+
+def progress_line(record: dict, total: int, eta_seconds: float) -> str:
+    """`step 40/300 loss=3.1234 grad_norm=0.812 lr=2.9e-04 tok/s=10543 mfu=1.2% mem=812MiB eta=0:01:23`: fixed
+    fields, so a log is grep-able; mem is the highest peak over the ranks."""
+    peak = max(record.get("peak_mem_mb") or [0.0])
+    eta = datetime.timedelta(seconds=round(eta_seconds))
+    return (f"step {record['step']}/{total} loss={record['loss']:.4f} grad_norm={record['grad_norm']:.3f} "
+            f"lr={record['lr']:.1e} tok/s={record['tokens_per_sec']:.0f} mfu={100 * record['mfu']:.1f}% "
+            f"mem={peak:.0f}MiB eta={eta}")
 
 
 class Stopwatch:

@@ -50,19 +50,31 @@ def resolve(report_to) -> list:
 
 
 def scalars(record: dict) -> dict:
-    """A metrics.jsonl record -> {tag: number}: its numbers under their own names; a list per rank as its max and,
-    up to PER_RANK_LIMIT ranks, one scalar per rank. `step` is the key, not a value; text (`event`) is left out."""
+    """A metrics.jsonl record -> {tag: number}: its numbers under Hugging Face Trainer's names (`hf_tag`); a list
+    per rank as its max and, up to PER_RANK_LIMIT ranks, one scalar per rank. `step` is the key, not a value; text
+    (`event`) is left out."""
+    evaluation = "eval_loss" in record
     out = {}
     for key, value in record.items():
         if key == "step" or isinstance(value, bool):
             continue
         if isinstance(value, (int, float)):
-            out[key] = value
+            out[hf_tag(key, evaluation)] = value
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
-            out[f"{key}/max"] = max(value)
+            tag = hf_tag(key, evaluation)
+            out[f"{tag}/max"] = max(value)
             if len(value) <= PER_RANK_LIMIT:
-                out.update({f"{key}/rank_{i}": v for i, v in enumerate(value)})
+                out.update({f"{tag}/rank_{i}": v for i, v in enumerate(value)})
     return out
+
+
+def hf_tag(key: str, evaluation: bool) -> str:
+    """As transformers' `rewrite_logs` names what Trainer sends to TensorBoard and W&B: `eval_loss` -> `eval/loss`,
+    `test_x` -> `test/x`, anything else `train/<key>`; an eval record's unprefixed numbers (perplexity) are eval/."""
+    for prefix in ("eval_", "test_"):
+        if key.startswith(prefix):
+            return f"{prefix[:-1]}/{key[len(prefix):]}"
+    return f"{'eval' if evaluation else 'train'}/{key}"
 
 
 class TensorBoard:

@@ -21,14 +21,14 @@ def test_tensorboard_and_wandb_through_a_stop_and_a_resume(tmp_path):
     losses = [(r["step"], round(r["loss"], 4)) for r in records if "loss" in r]
     assert [step for step, _ in losses] == [5, 10]
     events = tensorboard_events(workdir / "tensorboard")
-    assert [(step, round(value, 4)) for step, value in scalar_steps(events, "loss")] == losses
-    assert [step for step, _ in scalar_steps(events, "eval_loss")] == [5, 10]
-    assert {"lr", "grad_norm", "tokens_per_sec", "mfu", "perplexity", "peak_mem_mb/max", "peak_mem_mb/rank_0",
-            "peak_mem_mb/rank_1"} <= set(events.Tags()["scalars"])
+    assert [(step, round(value, 4)) for step, value in scalar_steps(events, "train/loss")] == losses
+    assert [step for step, _ in scalar_steps(events, "eval/loss")] == [5, 10]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "eval/perplexity",
+            "train/peak_mem_mb/max", "train/peak_mem_mb/rank_0", "train/peak_mem_mb/rank_1"} <= set(events.Tags()["scalars"])
     assert len(list((workdir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # rank 0 only, once per run
 
     run_id = (workdir / "wandb_run_id").read_text().strip()
     runs = sorted((workdir / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(runs) == 2  # the resumed run continues the same W&B run (one directory per process, rank 0 only)
-    logged = [(row["_step"], round(row["loss"], 4)) for run in runs for row in wandb_history(run) if "loss" in row]
+    logged = [(row["_step"], round(row["train/loss"], 4)) for run in runs for row in wandb_history(run) if "train/loss" in row]
     assert logged == losses

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 import threading
 import time
 
@@ -263,3 +264,28 @@ def test_trainer_compute_metrics_gets_the_configured_preprocess(tmp_path):
         preprocess_logits_for_metrics="tests.unit.test_eval_prediction:argmax")
     assert [e["eval_rows"] for e in evals(tmp_path)] == [1, 1]
     assert backend.preprocess == [functions.argmax] * 2
+
+
+def test_a_run_outside_a_terminal_prints_one_key_value_line_per_logged_step(tmp_path, capsys):
+    run(tmp_path, ScriptedBackend([1.0]), steps=6, eval_every=0, log_every=3, progress_bar=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2  # steps 3 and 6 only, no bar redraws
+    assert re.fullmatch(r"step 3/6 loss=1\.0000 grad_norm=0\.500 lr=1\.0e-03 tok/s=\d+ mfu=\d+\.\d% mem=1MiB "
+                        r"eta=\d+:\d\d:\d\d", lines[0]), lines[0]
+    assert lines[1].startswith("step 6/6 ") and lines[1].endswith(" eta=0:00:00")
+
+
+def test_progress_bar_false_prints_no_step_lines(tmp_path, capsys):
+    run(tmp_path, ScriptedBackend([1.0]), steps=2, eval_every=0, progress_bar=False)
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_rank_0_prints_what_the_run_is_before_its_first_step(tmp_path, capsys):
+    run(tmp_path, ScriptedBackend([1.0]), steps=2, eval_every=0)
+    head = capsys.readouterr().out.splitlines()[:8]
+    assert [line.split()[0] for line in head] == ["model", "backend", "devices", "mesh", "precision", "data", "steps",
+                                                  "workdir"]
+    assert head[0].split(None, 1)[1] == "llama, 0.00M parameters, 2 layers, hidden 64, vocab 384"
+    assert head[1].split(None, 1)[1] == "cpu, 1 rank(s) in 1 process(es)"
+    assert head[4].split(None, 1)[1] == "compute float32, gradient reduction float32"
+    assert head[7].split(None, 1)[1] == str(tmp_path)

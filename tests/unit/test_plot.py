@@ -18,7 +18,7 @@ def records(scale=1.0, ranks=2):
     out = [{"step": 0, "event": "start", "peak_mem_mb": [100.0 + r for r in range(ranks)]}]
     for step in (5, 10):
         out.append({"step": step, "loss": scale * (6 - step / 5), "lr": 1e-3 * step, "tokens_per_sec": 1000.0 + step,
-                    "peak_mem_mb": [200.0 + step + r for r in range(ranks)]})
+                    "grad_norm": scale, "mfu": 0.01 * scale, "peak_mem_mb": [200.0 + step + r for r in range(ranks)]})
     out.append({"step": 10, "eval_loss": scale * 4.0, "eval_tokens": 512, "perplexity": 54.6})
     out.append({"step": 10, "event": "end", "step_seconds_median": 0.1, "bookkeeping_fraction": 0.01})
     return out
@@ -28,26 +28,44 @@ def test_lines_one_per_run_per_panel_and_one_per_rank_for_memory(tmp_path):
     runs = {"a": records(), "b": records(2.0)}
     panels = plot.lines(runs)
     assert set(panels) == {key for key, _ in plot.PANELS}
-    for key in ("loss", "lr", "tokens_per_sec"):
-        assert [(label, steps) for label, steps, _ in panels[key]] == [("a", [5, 10]), ("b", [5, 10])]
-    assert panels["loss"][1][2] == [10.0, 8.0]
-    assert [(label, steps, values) for label, steps, values in panels["eval_loss"]] == [("a", [10], [4.0]),
-                                                                                      ("b", [10], [8.0])]
-    assert [(label, steps, values) for label, steps, values in panels["peak_mem_mb"]] == [
-        ("a rank 0", [0, 5, 10], [100.0, 205.0, 210.0]), ("a rank 1", [0, 5, 10], [101.0, 206.0, 211.0]),
-        ("b rank 0", [0, 5, 10], [100.0, 205.0, 210.0]), ("b rank 1", [0, 5, 10], [101.0, 206.0, 211.0])]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu"):
+        assert [(run, label, steps) for run, label, steps, _ in panels[key]] == [("a", "a", [5, 10]),
+                                                                               ("b", "b", [5, 10])]
+    assert panels["loss"][1][3] == [10.0, 8.0]
+    assert panels["mfu"][1][3] == [0.02, 0.02]
+    assert [(label, steps, values) for _, label, steps, values in panels["eval_loss"]] == [("a", [10], [4.0]),
+                                                                                         ("b", [10], [8.0])]
+    assert panels["peak_mem_mb"] == [
+        ("a", "a rank 0", [0, 5, 10], [100.0, 205.0, 210.0]), ("a", "a rank 1", [0, 5, 10], [101.0, 206.0, 211.0]),
+        ("b", "b rank 0", [0, 5, 10], [100.0, 205.0, 210.0]), ("b", "b rank 1", [0, 5, 10], [101.0, 206.0, 211.0])]
+
+
+def test_overlapping_runs_keep_their_own_colour_and_marker_in_every_panel():
+    fig = plot.figure(plot.lines({"runs/a": records(), "runs/b": records()}))  # the same curves: they overlap
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(axes) == {title for _, title in plot.PANELS}
+    assert {"gradient norm (before clipping)", "MFU (fraction of peak FLOPs)"} <= set(axes)
+    for title in ("training loss", "gradient norm (before clipping)", "MFU (fraction of peak FLOPs)"):
+        drawn = axes[title].get_lines()
+        assert [text.get_text() for text in axes[title].get_legend().get_texts()] == ["runs/a", "runs/b"]
+        assert drawn[0].get_color() != drawn[1].get_color() and drawn[0].get_marker() != drawn[1].get_marker()
+    memory = axes["peak memory per rank (MiB)"].get_lines()  # a run's ranks: its colour, one line style each
+    assert [(line.get_label(), line.get_color() == memory[0].get_color(), line.get_linestyle()) for line in memory] == [
+        ("runs/a rank 0", True, "-"), ("runs/a rank 1", True, "--"), ("runs/b rank 0", False, "-"),
+        ("runs/b rank 1", False, "--")]
+    assert [ax.get_xlabel() for ax in fig.axes if ax.get_xlabel()] == ["step", "step"]
 
 
 def test_many_ranks_are_drawn_as_largest_and_smallest():
     ranks = plot.PER_RANK_LINES + 1
     [largest, smallest] = plot.lines({"a": records(ranks=ranks)})["peak_mem_mb"]
-    assert largest == ("a max", [0, 5, 10], [100.0 + ranks - 1, 205.0 + ranks - 1, 210.0 + ranks - 1])
-    assert smallest == ("a min", [0, 5, 10], [100.0, 205.0, 210.0])
+    assert largest == ("a", "a max", [0, 5, 10], [100.0 + ranks - 1, 205.0 + ranks - 1, 210.0 + ranks - 1])
+    assert smallest == ("a", "a min", [0, 5, 10], [100.0, 205.0, 210.0])
 
 
 def test_a_resumed_run_keeps_the_last_record_of_each_step(tmp_path):
     resumed = records() + [{"step": 10, "loss": 3.0}, {"step": 15, "loss": 2.5}]  # logged again after a resume
-    [(label, steps, values)] = plot.lines({"a": resumed})["loss"]
+    [(_, label, steps, values)] = plot.lines({"a": resumed})["loss"]
     assert (steps, values) == ([5, 10, 15], [5.0, 3.0, 2.5])
 
 

@@ -64,12 +64,14 @@ def test_missing_tracker_is_one_line_before_anything_is_written(capsys, tmp_path
 
 
 def test_scalars_of_a_record():
-    assert trackers.scalars(RECORDS[0]) == {"peak_mem_mb/max": 110.0, "peak_mem_mb/rank_0": 100.0,
-                                            "peak_mem_mb/rank_1": 110.0, "mem_mb/max": 95.0,
-                                            "mem_mb/rank_0": 90.0, "mem_mb/rank_1": 95.0}
-    assert trackers.scalars(RECORDS[3]) == {"eval_loss": 4.4, "eval_tokens": 512, "perplexity": 81.45}
+    assert trackers.scalars(RECORDS[0]) == {"train/peak_mem_mb/max": 110.0, "train/peak_mem_mb/rank_0": 100.0,
+                                            "train/peak_mem_mb/rank_1": 110.0, "train/mem_mb/max": 95.0,
+                                            "train/mem_mb/rank_0": 90.0, "train/mem_mb/rank_1": 95.0}
+    # Hugging Face Trainer's names (transformers' rewrite_logs): eval_x -> eval/x, the rest train/x
+    assert trackers.scalars(RECORDS[3]) == {"eval/loss": 4.4, "eval/tokens": 512, "eval/perplexity": 81.45}
+    assert trackers.scalars({"step": 5, "loss": 2.0, "test_loss": 1.0}) == {"train/loss": 2.0, "test/loss": 1.0}
     many = trackers.scalars({"step": 1, "peak_mem_mb": list(range(trackers.PER_RANK_LIMIT + 1))})
-    assert many == {"peak_mem_mb/max": trackers.PER_RANK_LIMIT}  # past the limit: the largest rank only
+    assert many == {"train/peak_mem_mb/max": trackers.PER_RANK_LIMIT}  # past the limit: the largest rank only
 
 
 def test_none_opens_nothing(tmp_path):
@@ -83,10 +85,11 @@ def test_tensorboard_holds_the_records_and_resume_continues_from_the_checkpoint(
         reported.log(record)
     reported.close()
     events = tensorboard_events(tmp_path / "tensorboard")
-    assert scalar_steps(events, "loss") == [(5, 5.5), (10, 4.5), (15, 4.0)]
-    assert scalar_steps(events, "eval_loss") == [(10, 4.4)]
-    assert scalar_steps(events, "peak_mem_mb/rank_1") == [(0, 110.0), (5, 130.0), (10, 131.0)]
-    assert {"lr", "grad_norm", "tokens_per_sec", "mfu", "perplexity", "peak_mem_mb/max"} <= set(events.Tags()["scalars"])
+    assert scalar_steps(events, "train/loss") == [(5, 5.5), (10, 4.5), (15, 4.0)]
+    assert scalar_steps(events, "eval/loss") == [(10, 4.4)]
+    assert scalar_steps(events, "train/peak_mem_mb/rank_1") == [(0, 110.0), (5, 130.0), (10, 131.0)]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "eval/perplexity",
+            "train/peak_mem_mb/max"} <= set(events.Tags()["scalars"])
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| train.report_to | \"tensorboard\" |" in config_text and "| backend | \"cpu\" |" in config_text
 
@@ -95,7 +98,8 @@ def test_tensorboard_holds_the_records_and_resume_continues_from_the_checkpoint(
     resumed.log({"step": 15, "loss": 3.9})
     resumed.log({"step": 20, "loss": 3.5})
     resumed.close()
-    assert scalar_steps(tensorboard_events(tmp_path / "tensorboard"), "loss") == [(5, 5.5), (10, 4.5), (15, 3.9), (20, 3.5)]
+    assert scalar_steps(tensorboard_events(tmp_path / "tensorboard"), "train/loss") == [
+        (5, 5.5), (10, 4.5), (15, 3.9), (20, 3.5)]
 
 
 def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
@@ -110,9 +114,11 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     [run_dir] = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
     rows = wandb_history(run_dir)
     assert [row["_step"] for row in rows] == [0, 5, 10]
-    assert rows[0]["peak_mem_mb/rank_1"] == 110.0 and "loss" not in rows[0]
-    assert (rows[1]["loss"], rows[1]["lr"], rows[1]["tokens_per_sec"], rows[1]["mfu"]) == (5.5, 1e-3, 1000.0, 0.01)
-    assert (rows[2]["loss"], rows[2]["eval_loss"], rows[2]["perplexity"], rows[2]["peak_mem_mb/max"]) == (
+    assert rows[0]["train/peak_mem_mb/rank_1"] == 110.0 and "train/loss" not in rows[0]
+    assert (rows[1]["train/loss"], rows[1]["train/lr"], rows[1]["train/tokens_per_sec"], rows[1]["train/mfu"]) == (
+        5.5, 1e-3, 1000.0, 0.01)
+    assert (rows[2]["train/loss"], rows[2]["eval/loss"], rows[2]["eval/perplexity"],
+            rows[2]["train/peak_mem_mb/max"]) == (
         4.5, 4.4, 81.45, 131.0)  # a step's training and eval records are one row
     config = wandb_config(run_dir)
 

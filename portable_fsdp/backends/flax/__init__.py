@@ -25,6 +25,7 @@ _DEFINED_IN = {
     "device_kind": "resources",
     "time_matmul": "resources",
     "time_all_reduce": "resources",
+    **dict.fromkeys(("start_trace", "step_annotation", "stop_trace", "watch_memory"), "resources"),
     "estimate_memory": "estimate",
     **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",
                      "sharded_format", "convert_sharded", "estimate_devices", "estimator_environment"), "launch"),

@@ -108,3 +108,21 @@ def time_matmul(state: TrainState, size: int, dtype: str) -> float:
     start = time.perf_counter()
     _matmul(a, a).block_until_ready()  # compiled once per shape and dtype, in hardware's warm-up
     return time.perf_counter() - start
+
+
+def start_trace(state: TrainState, directory) -> None:
+    """jax.profiler: an XPlane trace under <directory>/plugins/profile/ that TensorBoard's profiler plugin and
+    Perfetto open."""
+    jax.profiler.start_trace(str(directory))
+
+
+def step_annotation(state: TrainState, step: int):
+    return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
+
+def stop_trace(state: TrainState) -> None:
+    jax.profiler.stop_trace()
+
+
+def watch_memory(state: TrainState, path) -> bool:
+    return False  # an allocator history to snapshot is CUDA's (torch.cuda.memory)

@@ -13,7 +13,8 @@ _DEFINED_IN = {
     "estimate_memory": "estimate",
     **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
                      "barrier", "any_rank", "model_info", "finalize"), "step"),
-    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce"), "resources"),
+    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce",
+                     "start_trace", "step_annotation", "stop_trace", "watch_memory"), "resources"),
     **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",
                      "sharded_format", "estimate_devices", "estimator_environment"), "launch"),
 }

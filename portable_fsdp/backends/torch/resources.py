@@ -8,6 +8,9 @@ workspaces, which no allocator counter sees. On the CPU every figure is the proc
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -130,3 +133,58 @@ def time_matmul(state: TrainState, size: int, dtype: str) -> float:
 
 def time_all_reduce(state: TrainState, size: int) -> float:
     return all_reduce_seconds(state.ctx.runtime.device, size)
+
+
+_profiler = None  # the torch.profiler.profile running between start_trace and stop_trace
+
+
+def start_trace(state: TrainState, directory) -> None:
+    """torch.profiler over the host and, on CUDA, the GPU; one Chrome trace per rank (`rank<N>.*.pt.trace.json`)
+    that TensorBoard's profiler plugin and Perfetto open."""
+    global _profiler
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if state.ctx.runtime.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    else:  # kineto reports its probe for a GPU as an ERROR line on a machine without one
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    handler = torch.profiler.tensorboard_trace_handler(str(directory), worker_name=f"rank{dist.get_rank()}")
+    _profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler, profile_memory=True)
+    _profiler.start()
+
+
+def step_annotation(state: TrainState, step: int):
+    return torch.profiler.record_function(f"step {step}")
+
+
+def stop_trace(state: TrainState) -> None:
+    global _profiler
+    _profiler.stop()  # without a schedule, stopping hands the trace to on_trace_ready
+    _profiler = None
+
+
+_snapshot_path = None  # where a CUDA out-of-memory writes the allocator's history (set by watch_memory)
+
+
+def watch_memory(state: TrainState, path) -> bool:
+    """On CUDA: record the caching allocator's history of allocations and frees, so that a step running out of
+    memory writes it to `path` (a pickle pytorch.org/memory_viz opens) before the error. The history exists on
+    CUDA only."""
+    global _snapshot_path
+    if state.ctx.runtime.device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000)  # the most recent events: bounded memory
+    _snapshot_path = path
+    return True
+
+
+@contextlib.contextmanager
+def snapshot_on_out_of_memory():
+    """Around a step: a CUDA out-of-memory first writes the watched history (watch_memory), then goes on."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        if _snapshot_path:
+            torch.cuda.memory._dump_snapshot(str(_snapshot_path))
+            print(f"memory snapshot of the out-of-memory step: {_snapshot_path} (open it at pytorch.org/memory_viz)",
+                  file=sys.stderr, flush=True)
+        raise

@@ -140,6 +140,11 @@ def _all_reduce_sum(values: list, device: torch.device) -> list:
 
 
 def train_step(state: TrainState, micro_batches: list) -> tuple:
+    with resources.snapshot_on_out_of_memory():  # the first step also allocates the optimizer's moments
+        return _train_step(state, micro_batches)
+
+
+def _train_step(state: TrainState, micro_batches: list) -> tuple:
     ctx = state.ctx
     loss, global_tokens = compute_gradients(state, micro_batches)
     grad_norm = clip_grad_norm(state.model, ctx.config.train.max_grad_norm, ctx.runtime.device)

@@ -11,7 +11,8 @@ from portable_fsdp.backends.hf_torch.model import describe_model  # the same tra
 _SURFACE = {
     **dict.fromkeys(("init", "train_step", "eval_step", "count_label_tokens", "predict_step", "placement",
                      "barrier", "any_rank", "model_info", "finalize"), "step"),
-    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce"), "resources"),
+    **dict.fromkeys(("memory_report", "device_kind", "time_matmul", "time_all_reduce",
+                     "start_trace", "step_annotation", "stop_trace", "watch_memory"), "resources"),
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "export_weights": "checkpoint",
     "estimate_memory": "estimate",
     **dict.fromkeys(("device_type", "default_nproc", "prepare_config", "start_workers", "check_machines", "owns_workdir",

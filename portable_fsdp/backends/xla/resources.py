@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.profiler as xp
 import torch_xla.distributed.spmd as xs
 
 from portable_fsdp.machine import host_memory, tpu_vm
@@ -184,3 +185,23 @@ def time_all_reduce(state: TrainState, size: int) -> float:
     seconds = time.perf_counter() - start
     del summed
     return seconds
+
+
+def start_trace(state: TrainState, directory) -> None:
+    """torch_xla's profiler (host and device activity): an XPlane trace under <directory>/plugins/profile/ that
+    TensorBoard's profiler plugin and Perfetto open."""
+    xp.start_trace(str(directory))
+
+
+def step_annotation(state: TrainState, step: int):
+    # The host-side mark under xp.Trace / xp.StepTrace: those also push an IR scope, which names the step's
+    # operations (graphs that differ per step) and, in StepTrace, refuses the sync a step ends with.
+    return torch_xla._XLAC.profiler.TraceMe(f"step {step}")
+
+
+def stop_trace(state: TrainState) -> None:
+    xp.stop_trace()
+
+
+def watch_memory(state: TrainState, path) -> bool:
+    return False  # an allocator history to snapshot is CUDA's (torch.cuda.memory)
