@@ -144,7 +144,7 @@ def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
     """`path/to/recipe.py[:arg]` (or a bundled recipe name) -> the ConfigDict its get_config(arg) returns."""
     spec = spec or DEFAULT_RECIPE
     path, _, arg = spec.partition(":")
-    module = _import_recipe(path)
+    module = import_recipe(path)
     if not hasattr(module, "get_config"):
         raise UserError("--config", f"{path} defines no get_config(arg) function")
     try:
@@ -156,7 +156,8 @@ def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
     return config
 
 
-def _import_recipe(path: str):
+def import_recipe(path: str):
+    """The module of a recipe file or bundled recipe name."""
     file = pathlib.Path(path)
     if file.suffix == ".py":
         if not file.is_file():

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from portable_fsdp.config.schema import apply_override, base_config, command_line_text
+from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, base_config, command_line_text, import_recipe
+from portable_fsdp.errors import notify
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One machine: the backend and processes to launch with, and the config fields that fit it there."""
+    """One machine: the backend, processes and device (a DEVICE_MEMORY key) to launch with, and the config fields
+    that fit it there."""
 
     backend: str
     nproc: int
+    device: str
     settings: dict
 
     def command(self, recipe: str, name: str) -> str:
@@ -33,7 +36,7 @@ SMOKE = {"model.hidden_size": 64, "model.intermediate_size": 160, "model.num_hid
          "model.vocab_size": 384, "model.max_position_embeddings": 128, "data.seq_len": 64,
          "train.steps": 4, "train.batch_size": 4, "train.eval_batch_size": 4, "train.eval_every": 0,
          "train.eval_max_batches": 2, "train.log_every": 1, "train.warmup_steps": 1, "train.progress_bar": False}
-SMOKE_LAUNCH = ("cpu", 2)
+SMOKE_LAUNCH = Variant("cpu", 2, "cpu", {})
 
 
 def build(architecture: dict, variants: dict, smoke: dict, name: str):
@@ -46,3 +49,29 @@ def build(architecture: dict, variants: dict, smoke: dict, name: str):
     for key, value in settings.items():
         apply_override(config, key, command_line_text(value))
     return config
+
+
+def recipe_variant(spec: str | None) -> Variant | None:
+    """The Variant `recipe.py:name` names (SMOKE_LAUNCH for smoke); None for a recipe without variants or a spec
+    naming none."""
+    path, _, name = (spec or DEFAULT_RECIPE).partition(":")
+    variants = getattr(import_recipe(path), "VARIANTS", None)
+    if variants is None or not name:
+        return None
+    return SMOKE_LAUNCH if name == "smoke" else variants.get(name)
+
+
+def launch_flags(spec: str | None, **given):
+    """The command's launch flags (backend, nproc, device), those left unset ("auto" or None) taken from the recipe
+    variant. A flag that differs from the variant wins, with one notice: estimating a recipe sized for one machine on
+    another is a fair question, but the variant's settings were not chosen for it."""
+    variant = recipe_variant(spec)
+    if variant is None:
+        return tuple(given.values())
+    chosen = []
+    for flag, value in given.items():
+        wanted = getattr(variant, flag)
+        if value not in ("auto", None) and value != wanted:
+            notify(f"--{flag} {value} overrides {wanted}, the machine {spec.partition(':')[2]} of {spec} is sized for")
+        chosen.append(wanted if value in ("auto", None) else value)
+    return tuple(chosen)

@@ -14,11 +14,11 @@ ARCHITECTURE = {"model.architecture": "qwen2", "model.vocab_size": 152064, "mode
                 "model.num_key_value_heads": 4, "model.max_position_embeddings": 32768, "model.rope_theta": 1000000.0,
                 "model.rms_norm_eps": 1e-6}
 VARIANTS = {
-    "8xh100": Variant("cuda", 8, {"data.seq_len": 8192, "train.batch_size": 16, "plan.tp_size": 2}),
-    "1xh200": Variant("cuda", 1, {"data.seq_len": 4096, "train.batch_size": 16, "train.grad_accum_steps": 16,
-                                  "plan.cpu_offload": True}),
-    "v5p-8": Variant("xla", 4, {"data.seq_len": 4096, "train.batch_size": 8, "train.grad_accum_steps": 2,
-                                "model.attn_implementation": "eager"}),
+    "8xh100": Variant("cuda", 8, "h100", {"data.seq_len": 8192, "train.batch_size": 16, "plan.tp_size": 2}),
+    "1xh200": Variant("cuda", 1, "h200", {"data.seq_len": 4096, "train.batch_size": 16, "train.grad_accum_steps": 16,
+                                          "plan.cpu_offload": True}),
+    "v5p-8": Variant("xla", 4, "v5p", {"data.seq_len": 4096, "train.batch_size": 8, "train.grad_accum_steps": 2,
+                                       "model.attn_implementation": "eager"}),
 }
 SMOKE = {"model.num_attention_heads": 4, "model.num_key_value_heads": 2}
 

@@ -17,10 +17,10 @@ ARCHITECTURE = {"model.architecture": "qwen3_moe", "model.vocab_size": 151936, "
                                            "num_experts_per_tok": 8, "norm_topk_prob": True,
                                            "output_router_logits": True, "router_aux_loss_coef": 0.001}}
 VARIANTS = {
-    "8xh100": Variant("cuda", 8, {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8}),
-    "8xh200": Variant("cuda", 8, {"data.seq_len": 8192, "train.batch_size": 16, "plan.ep_size": 8}),
-    "v5p-16": Variant("xla", 8, {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8,
-                                 "model.attn_implementation": "eager"}),
+    "8xh100": Variant("cuda", 8, "h100", {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8}),
+    "8xh200": Variant("cuda", 8, "h200", {"data.seq_len": 8192, "train.batch_size": 16, "plan.ep_size": 8}),
+    "v5p-16": Variant("xla", 8, "v5p", {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8,
+                                        "model.attn_implementation": "eager"}),
 }
 SMOKE = {"model.num_attention_heads": 4, "model.num_key_value_heads": 2,
          "model.config_overrides": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
