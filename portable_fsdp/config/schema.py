@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_sequences = 64  # streaming: the stream's first sequences, held out as the eval split
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 300
+    c.train.steps = 300  # optimizer steps; 0 = as many as train.epochs take
+    # passes over the train split, with train.steps=0: ceil(epochs x train sequences / train.batch_size) steps
+    c.train.epochs = 0.0
     c.train.batch_size = 8  # global sequences per optimizer step
     c.train.grad_accum_steps = 1
     c.train.eval_batch_size = 8  # global sequences per eval step

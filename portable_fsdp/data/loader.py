@@ -11,6 +11,7 @@ grow with the corpus. With data.streaming the corpus is read as it trains instea
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import socket
@@ -20,7 +21,7 @@ import numpy as np
 from portable_fsdp.data.batch import EvalBatches, as_batch, release_pages
 from portable_fsdp.data.sources import resolve_source
 from portable_fsdp.data.tokenizers import load_checked_tokenizer
-from portable_fsdp.errors import UserError
+from portable_fsdp.errors import UserError, notify
 
 ORDER_IN_MEMORY = 1 << 20  # epochs of fewer sequences are shuffled in memory; longer ones in a file beside the cache
 
@@ -74,14 +75,27 @@ def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 def check_data(config, model_vocab_size: int) -> None:
     """Before any worker starts: the data can be read and gives one global batch and an eval split (and the token
-    cache is built, so that the workers only map it)."""
+    cache is built, so that the workers only map it). A run of train.epochs becomes one of train.steps here, the
+    only place that counts the train split, with one line saying how many."""
     if config.data.streaming:
         from portable_fsdp.data.streaming import StreamingBatches
 
         StreamingBatches.check(config, model_vocab_size)
-    else:
-        build_token_data(config.data, model_vocab_size, min_train_sequences=config.train.batch_size,
-                         wait_s=config.train.collective_timeout_s)
+        return
+    t = config.train
+    data = build_token_data(config.data, model_vocab_size, min_train_sequences=t.batch_size,
+                            wait_s=t.collective_timeout_s)
+    if t.epochs:
+        steps = steps_for_epochs(t.epochs, len(data.train), t.batch_size)
+        notify(f"train.epochs={t.epochs:g} is train.steps={steps}: {len(data.train)} train sequences, "
+               f"{t.batch_size} a step")
+        t.steps, t.epochs = steps, 0.0
+
+
+def steps_for_epochs(epochs: float, train_sequences: int, global_batch: int) -> int:
+    """The steps that cover `epochs` passes as TrainBatches hands them out (the last may reach into the next
+    epoch)."""
+    return math.ceil(epochs * train_sequences / global_batch)
 
 
 def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tuple:
