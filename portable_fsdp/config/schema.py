@@ -56,7 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     # "text", or "chat": rows of messages rendered by the tokenizer's chat template, the loss on assistant tokens only
     c.data.format = "text"
     c.data.messages_column = "messages"  # format=chat: the column of [{role, content}, ...]
-    c.data.tokenizer = "byte"  # "byte" or a local tokenizer directory (AutoTokenizer.from_pretrained)
+    # "byte", a local tokenizer directory or (online) a hub id (AutoTokenizer.from_pretrained); empty = the
+    # tokenizer of model.init_from when it names a hub model or a directory holding one, else "byte"
+    c.data.tokenizer = ""
     c.data.seq_len = 128
     c.data.eval_fraction = 0.05
     c.data.document_masking = False  # packed documents attend only within themselves (position ids restart)

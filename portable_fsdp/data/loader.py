@@ -20,7 +20,7 @@ import numpy as np
 
 from portable_fsdp.data.batch import EvalBatches, as_batch, release_pages
 from portable_fsdp.data.sources import resolve_source
-from portable_fsdp.data.tokenizers import load_checked_tokenizer
+from portable_fsdp.data.tokenizers import load_checked_tokenizer, resolve_tokenizer
 from portable_fsdp.errors import UserError, notify
 
 ORDER_IN_MEMORY = 1 << 20  # epochs of fewer sequences are shuffled in memory; longer ones in a file beside the cache
@@ -77,6 +77,7 @@ def check_data(config, model_vocab_size: int) -> None:
     """Before any worker starts: the data can be read and gives one global batch and an eval split (and the token
     cache is built, so that the workers only map it). A run of train.epochs becomes one of train.steps here, the
     only place that counts the train split, with one line saying how many."""
+    resolve_tokenizer(config)
     if config.data.streaming:
         from portable_fsdp.data.streaming import StreamingBatches
 
@@ -100,6 +101,7 @@ def steps_for_epochs(epochs: float, train_sequences: int, global_batch: int) -> 
 
 def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tuple:
     """(train batches, eval batches) of this data-parallel rank, as the training loop reads them."""
+    resolve_tokenizer(config)  # a no-op after check_data; the Python API may come here first
     t = config.train
     if config.data.streaming:
         from portable_fsdp.data.streaming import StreamingBatches

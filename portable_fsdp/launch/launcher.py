@@ -82,7 +82,7 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
 
         def checks(*args, **kwargs):
             plan = preflight(*args, claim=claim, **kwargs)
-            spec["config"] = config.to_dict()  # train.steps as the checks resolved train.epochs
+            spec["config"] = config.to_dict()  # train.steps and data.tokenizer as the checks resolved them
             return plan
 
         return backend.start_workers(config, spec, workdir, nproc, nodes, checks)
