@@ -29,7 +29,10 @@ REAL_SIZE = {"plan.param_dtype": "bfloat16", "plan.reduce_dtype": "float32",
              "plan.activation_checkpointing": True, "model.attn_implementation": "sdpa",
              "train.steps": 1000, "train.eval_every": 200, "train.eval_max_batches": 20, "train.save_every": 500,
              "train.log_every": 10, "train.warmup_steps": 100, "train.lr": 3e-4,
-             "plan.state_dict_type": "SHARDED_STATE_DICT", "train.export_full_at_end": True}
+             "plan.state_dict_type": "SHARDED_STATE_DICT", "train.export_full_at_end": True,
+             # the bundled corpus trains in minutes; a real one is a hub dataset id (downloaded online), e.g.
+             # "data.source": "HuggingFaceFW/fineweb-edu", "data.name": "sample-10BT",
+             "data.source": "bundled"}
 
 # The same architecture at CPU size (the heads-to-kv-heads ratio kept); trains in seconds on --backend cpu.
 SMOKE = {"model.hidden_size": 64, "model.intermediate_size": 160, "model.num_hidden_layers": 2,

@@ -1,5 +1,5 @@
-"""Llama-3-8B (dense, GQA 32/8 heads, vocabulary 128,256), random init or `model.init_from=DIR` of its weights
-(then `data.tokenizer=DIR` too). `--config portable_fsdp/configs/llama3_8b.py:VARIANT`:
+"""Llama-3-8B (dense, GQA 32/8 heads, vocabulary 128,256), random init or `model.init_from=DIR` (or a hub
+id) of its weights and tokenizer. `--config portable_fsdp/configs/llama3_8b.py:VARIANT`:
 
   8xh100  one node of 8 H100 80 GB: fsdp 8, sequences of 8192, 4 per rank per step
   1xh200  one H200 141 GB: fp32 master weights, gradients and AdamW live on the host (cpu_offload), 4096 tokens

@@ -1,5 +1,5 @@
 """Qwen2.5-7B (dense, GQA 28/4 heads, q/k/v biases, vocabulary 152,064), random init or `model.init_from=DIR` of
-its weights (then `data.tokenizer=DIR` too). `--config portable_fsdp/configs/qwen2_5_7b.py:VARIANT`:
+its weights (its tokenizer too). `--config portable_fsdp/configs/qwen2_5_7b.py:VARIANT`:
 
   8xh100  one node of 8 H100 80 GB: fsdp 4 x tp 2 (28 heads and 4 kv heads split in two), sequences of 8192
   1xh200  one H200 141 GB: fp32 master weights, gradients and AdamW live on the host (cpu_offload), 4096 tokens

@@ -1,5 +1,5 @@
 """Qwen3-30B-A3B (mixture of experts: 48 layers of 128 experts, 8 active per token; 30.5B parameters, 3.3B active),
-random init or `model.init_from=DIR` of its weights (then `data.tokenizer=DIR` too).
+random init or `model.init_from=DIR` of its weights and tokenizer.
 `--config portable_fsdp/configs/qwen3_30b_a3b.py:VARIANT`:
 
   8xh100  one node of 8 H100 80 GB: fsdp 8 with the experts split over ep 8 (16 per rank), sequences of 4096
