@@ -4,8 +4,8 @@ import pytest
 
 from portable_fsdp.config.schema import load_recipe
 from portable_fsdp.config.validate import check_train_fields
-from portable_fsdp.data.loader import steps_for_epochs
-from portable_fsdp.errors import UserError
+from portable_fsdp.data.loader import resolve_epochs, steps_for_epochs
+from portable_fsdp.errors import Notice, UserError
 from tests.conftest import TEST_RECIPE, cli, read_metrics
 
 
@@ -13,6 +13,16 @@ def test_steps_cover_the_epochs_with_the_last_batch_reaching_into_the_next():
     assert steps_for_epochs(1, 24, 4) == 6
     assert steps_for_epochs(1, 25, 4) == 7
     assert steps_for_epochs(0.5, 24, 4) == 3
+
+
+def test_epochs_become_steps_once():
+    config = load_recipe(TEST_RECIPE)
+    config.train.update({"steps": 0, "epochs": 2.0})
+    with pytest.warns(Notice, match="train.epochs=2 is train.steps=12: 24 train sequences, 4 a step"):
+        resolve_epochs(config.train, 24)
+    resolve_epochs(config.train, 30)  # the workers (or a second Batches) read it again: already steps
+    assert (config.train.steps, config.train.epochs) == (12, 0.0)
+    check_train_fields(config, 1)
 
 
 @pytest.mark.parametrize("settings, words", [
