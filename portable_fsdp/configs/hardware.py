@@ -75,6 +75,6 @@ def launch_flags(spec: str | None, **given):
     for flag, value in given.items():
         wanted = getattr(variant, flag)
         if value not in ("auto", None) and value != wanted:
-            notify(f"--{flag} {value} overrides {wanted}, the machine {spec.partition(':')[2]} of {spec} is sized for")
+            notify(f"--{flag} {value} is used, not the {wanted} that variant {spec.partition(':')[2]} is sized for")
         chosen.append(wanted if value in ("auto", None) else value)
     return tuple(chosen)

@@ -23,7 +23,7 @@ def test_a_flag_that_differs_from_the_variant_wins_with_one_notice():
     with pytest.warns(Notice) as caught:
         assert launch_flags("llama3_8b:8xh100", backend="cuda", device="a100", nproc=8) == ("cuda", "a100", 8)
     assert [str(w.message) for w in caught] == [
-        "--device a100 overrides h100, the machine 8xh100 of llama3_8b:8xh100 is sized for"]
+        "--device a100 is used, not the h100 that variant 8xh100 is sized for"]
 
 
 def test_estimate_of_a_variant_targets_its_machine(monkeypatch):
