@@ -66,15 +66,16 @@ def recipe_variant(spec: str | None) -> Variant | None:
 
 def launch_flags(spec: str | None, **given):
     """The command's launch flags (backend, nproc, device), those left unset ("auto" or None) taken from the recipe
-    variant. A flag that differs from the variant wins, with one notice: estimating a recipe sized for one machine on
-    another is a fair question, but the variant's settings were not chosen for it."""
+    variant. A flag that differs from the variant wins, with one notice (none for smoke, which every backend trains):
+    estimating a recipe sized for one machine on another is a fair question, but the variant's settings were not
+    chosen for it."""
     variant = recipe_variant(spec)
     if variant is None:
         return tuple(given.values())
     chosen = []
     for flag, value in given.items():
         wanted = getattr(variant, flag)
-        if value not in ("auto", None) and value != wanted:
+        if value not in ("auto", None) and value != wanted and variant is not SMOKE_LAUNCH:  # smoke runs anywhere
             notify(f"--{flag} {value} is used, not the {wanted} that variant {spec.partition(':')[2]} is sized for")
         chosen.append(wanted if value in ("auto", None) else value)
     return tuple(chosen)

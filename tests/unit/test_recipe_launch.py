@@ -26,6 +26,11 @@ def test_a_flag_that_differs_from_the_variant_wins_with_one_notice():
         "--device a100 is used, not the h100 that variant 8xh100 is sized for"]
 
 
+def test_the_smoke_variant_runs_on_any_backend_without_a_notice(recwarn):
+    assert launch_flags("llama3_8b:smoke", backend="flax", nproc=None) == ("flax", 2)
+    assert not recwarn.list
+
+
 def test_estimate_of_a_variant_targets_its_machine(monkeypatch):
     chosen = {}
 
