@@ -16,6 +16,7 @@ from portable_fsdp.launch import cluster
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config.schema import (DEFAULT_RECIPE, apply_override, base_config, command_line_text, field_meanings,
                                          flat_fields, load_recipe)
+from portable_fsdp.configs.hardware import launch_flags
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
@@ -31,11 +32,12 @@ def parse_args(argv):
     parser = Parser(prog="python -m portable_fsdp.run", description=__doc__, epilog=fields_help(),
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
-                        help="auto = xla on a TPU or when plan.xla is true, cuda when a GPU is present, else cpu; "
-                             "xla = torch_xla; flax = JAX")
+                        help="auto = the recipe variant's, else xla on a TPU or when plan.xla is true, cuda when a "
+                             "GPU is present, else cpu; xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
     parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
-    parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local worker processes (default: the recipe variant's, else 2 on CPU, #GPUs on CUDA)")
     parser.add_argument("--fsdp", default=None, metavar="OPTIONS",
                         help='Hugging Face TrainingArguments\' fsdp: option words, e.g. "full_shard auto_wrap offload", '
                              'or true')
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
             raise UserError("--nproc", f"must be at least 1 (got {args.nproc})")
         from portable_fsdp.launch.launcher import under_torchrun
 
+        if args.fsdp_config is None and not under_torchrun():  # else torchrun or the file decides the launch
+            args.backend, args.nproc = launch_flags(args.config, backend=args.backend, nproc=args.nproc)
         nodes = accelerate_launch.from_file(args.fsdp_config, args.backend, args.nproc, under_torchrun(),
                                             cluster.scheduler_machines())
         backend = backends.resolve(nodes.backend, config)

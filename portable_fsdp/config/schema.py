@@ -59,7 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     # "text", or "chat": rows of messages rendered by the tokenizer's chat template, the loss on assistant tokens only
     c.data.format = "text"
     c.data.messages_column = "messages"  # format=chat: the column of [{role, content}, ...]
-    c.data.tokenizer = "byte"  # "byte" or a local tokenizer directory (AutoTokenizer.from_pretrained)
+    # "byte", a local tokenizer directory or (online) a hub id (AutoTokenizer.from_pretrained); empty = the
+    # tokenizer of model.init_from when it names a hub model or a directory holding one, else "byte"
+    c.data.tokenizer = ""
     c.data.seq_len = 128  # tokens per training sequence (documents are packed)
     c.data.eval_fraction = 0.05  # the share of documents held out for evaluation
     c.data.document_masking = False  # packed documents attend only within themselves (position ids restart)
@@ -70,7 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_sequences = 64  # streaming: the stream's first sequences, held out as the eval split
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 300  # optimizer steps of the run
+    c.train.steps = 300  # optimizer steps of the run; 0 = as many as train.epochs take
+    # passes over the train split, with train.steps=0: ceil(epochs x train sequences / train.batch_size) steps
+    c.train.epochs = 0.0
     c.train.batch_size = 8  # global sequences per optimizer step
     c.train.grad_accum_steps = 1  # micro-batches per optimizer step
     c.train.eval_batch_size = 8  # global sequences per eval step
@@ -170,7 +174,7 @@ def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
     """`path/to/recipe.py[:arg]` (or a bundled recipe name) -> the ConfigDict its get_config(arg) returns."""
     spec = spec or DEFAULT_RECIPE
     path, _, arg = spec.partition(":")
-    module = _import_recipe(path)
+    module = import_recipe(path)
     if not hasattr(module, "get_config"):
         raise UserError("--config", f"{path} defines no get_config(arg) function")
     try:
@@ -182,7 +186,8 @@ def load_recipe(spec: str | None) -> ml_collections.ConfigDict:
     return config
 
 
-def _import_recipe(path: str):
+def import_recipe(path: str):
+    """The module of a recipe file or bundled recipe name."""
     file = pathlib.Path(path)
     if file.suffix == ".py":
         if not file.is_file():

@@ -92,6 +92,20 @@ def _positive(value, field: str, allow_zero: bool = False) -> None:
         raise UserError(field, f"must be {'>= 0' if allow_zero else 'positive'} (got {value})")
 
 
+def _check_length(t, d) -> None:
+    """A run is train.steps long, or train.epochs when train.steps=0 (the launcher turns those into steps once it
+    has counted the train split)."""
+    _positive(t.epochs, "train.epochs", allow_zero=True)
+    if not t.epochs:
+        _positive(t.steps, "train.steps")
+    elif t.steps:
+        raise UserError("train.epochs", f"and train.steps={t.steps} are both set; set train.steps=0 to train "
+                        "by epochs, or train.epochs=0")
+    elif d.streaming:
+        raise UserError("train.epochs", "needs the corpus's size, which data.streaming learns only as it trains; "
+                        "set train.steps instead")
+
+
 def _check_checkpoint_fields(t) -> None:
     from portable_fsdp.checkpoint.safetensors_shards import parse_size
 
@@ -105,7 +119,8 @@ def _check_checkpoint_fields(t) -> None:
 
 def check_train_fields(config, data_parallel_size: int) -> None:
     t, d, m = config.train, config.data, config.model
-    for name in ("steps", "batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
+    _check_length(t, d)
+    for name in ("batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
                  "collective_timeout_s"):
         _positive(t[name], f"train.{name}")
     for name in ("eval_every", "save_every", "warmup_steps", "eval_max_batches", "stop_at_step", "max_grad_norm", "weight_decay",

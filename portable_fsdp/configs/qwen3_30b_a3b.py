@@ -1,5 +1,5 @@
 """Qwen3-30B-A3B (mixture of experts: 48 layers of 128 experts, 8 active per token; 30.5B parameters, 3.3B active),
-random init or `model.init_from=DIR` of its weights (then `data.tokenizer=DIR` too).
+random init or `model.init_from=DIR` of its weights and tokenizer.
 `--config portable_fsdp/configs/qwen3_30b_a3b.py:VARIANT`:
 
   8xh100  one node of 8 H100 80 GB: fsdp 8 with the experts split over ep 8 (16 per rank), sequences of 4096
@@ -17,10 +17,10 @@ ARCHITECTURE = {"model.architecture": "qwen3_moe", "model.vocab_size": 151936, "
                                            "num_experts_per_tok": 8, "norm_topk_prob": True,
                                            "output_router_logits": True, "router_aux_loss_coef": 0.001}}
 VARIANTS = {
-    "8xh100": Variant("cuda", 8, {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8}),
-    "8xh200": Variant("cuda", 8, {"data.seq_len": 8192, "train.batch_size": 16, "plan.ep_size": 8}),
-    "v5p-16": Variant("xla", 8, {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8,
-                                 "model.attn_implementation": "eager"}),
+    "8xh100": Variant("cuda", 8, "h100", {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8}),
+    "8xh200": Variant("cuda", 8, "h200", {"data.seq_len": 8192, "train.batch_size": 16, "plan.ep_size": 8}),
+    "v5p-16": Variant("xla", 8, "v5p", {"data.seq_len": 4096, "train.batch_size": 16, "plan.ep_size": 8,
+                                        "model.attn_implementation": "eager"}),
 }
 SMOKE = {"model.num_attention_heads": 4, "model.num_key_value_heads": 2,
          "model.config_overrides": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,

@@ -11,6 +11,7 @@ grow with the corpus. With data.streaming the corpus is read as it trains instea
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import socket
@@ -19,8 +20,8 @@ import numpy as np
 
 from portable_fsdp.data.batch import EvalBatches, as_batch, release_pages
 from portable_fsdp.data.sources import resolve_source
-from portable_fsdp.data.tokenizers import load_checked_tokenizer
-from portable_fsdp.errors import UserError
+from portable_fsdp.data.tokenizers import load_checked_tokenizer, resolve_tokenizer
+from portable_fsdp.errors import UserError, notify
 
 ORDER_IN_MEMORY = 1 << 20  # epochs of fewer sequences are shuffled in memory; longer ones in a file beside the cache
 
@@ -74,18 +75,37 @@ def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 def check_data(config, model_vocab_size: int) -> None:
     """Before any worker starts: the data can be read and gives one global batch and an eval split (and the token
-    cache is built, so that the workers only map it)."""
+    cache is built, so that the workers only map it). A run of train.epochs becomes one of train.steps here, from
+    the same train split the workers read."""
+    resolve_tokenizer(config)
     if config.data.streaming:
         from portable_fsdp.data.streaming import StreamingBatches
 
         StreamingBatches.check(config, model_vocab_size)
-    else:
-        build_token_data(config.data, model_vocab_size, min_train_sequences=config.train.batch_size,
-                         wait_s=config.train.collective_timeout_s)
+        return
+    data = build_token_data(config.data, model_vocab_size, min_train_sequences=config.train.batch_size,
+                            wait_s=config.train.collective_timeout_s)
+    resolve_epochs(config.train, len(data.train))
+
+
+def resolve_epochs(t, train_sequences: int) -> None:
+    """train.epochs -> train.steps, with one line saying how many (a no-op once done, or for a run of steps)."""
+    if t.epochs:
+        steps = steps_for_epochs(t.epochs, train_sequences, t.batch_size)
+        notify(f"train.epochs={t.epochs:g} is train.steps={steps}: {train_sequences} train sequences, "
+               f"{t.batch_size} a step")
+        t.steps, t.epochs = steps, 0.0
+
+
+def steps_for_epochs(epochs: float, train_sequences: int, global_batch: int) -> int:
+    """The steps that cover `epochs` passes as TrainBatches hands them out (the last may reach into the next
+    epoch)."""
+    return math.ceil(epochs * train_sequences / global_batch)
 
 
 def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tuple:
     """(train batches, eval batches) of this data-parallel rank, as the training loop reads them."""
+    resolve_tokenizer(config)  # a no-op after check_data; the Python API may come here first
     t = config.train
     if config.data.streaming:
         from portable_fsdp.data.streaming import StreamingBatches
@@ -94,6 +114,7 @@ def open_data(config, model_vocab_size: int, dp_rank: int, dp_size: int) -> tupl
         return train, train.eval_batches(t.eval_batch_size, dp_rank, dp_size, t.eval_max_batches)
     data = build_token_data(config.data, model_vocab_size, min_train_sequences=t.batch_size,
                             wait_s=t.collective_timeout_s)
+    resolve_epochs(t, len(data.train))  # likewise
     documents_end_at = data.eos_token_id if config.data.document_masking else None
     train = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at,
                          loss_mask=data.train_loss_mask, order_dir=data.cache / "orders")

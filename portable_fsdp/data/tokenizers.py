@@ -1,4 +1,5 @@
-"""Tokenizers that need no download: bytes, or a local Hugging Face tokenizer directory.
+"""Tokenizers: bytes, a local Hugging Face tokenizer directory, or a hub model's (downloaded into the Hugging Face
+cache, then read as a local directory).
 
 Each one encodes a document as its ids followed by the end-of-document id (`encode_each`), names itself
 (`spec`) and fingerprints its files (`identity`, stored with a token cache so that a cache is never read with
@@ -11,6 +12,7 @@ import pathlib
 
 import numpy as np
 
+from portable_fsdp.data.sources import HUB_ID
 from portable_fsdp.errors import UserError
 
 # The files that decide a tokenizer's ids (never a model's weights, which may share its directory).
@@ -111,12 +113,40 @@ class LocalHFTokenizer:
         return out
 
 
+def resolve_tokenizer(config) -> None:
+    """data.tokenizer left empty: model.init_from's tokenizer when init_from names a hub model or a directory with
+    tokenizer files (a directory of weights only trains on bytes), else bytes. Once, before the workers start."""
+    if config.data.tokenizer:
+        return
+    source = config.model.init_from
+    directory = pathlib.Path(source)
+    has_tokenizer = any(directory.glob("tokenizer*")) if directory.is_dir() else bool(HUB_ID.match(source))
+    config.data.tokenizer = source if source and has_tokenizer else "byte"
+
+
 def load_tokenizer(spec: str):
-    if spec == "byte":
+    if spec in ("", "byte"):  # empty: no model.init_from to take one from
         return ByteTokenizer()
-    if not pathlib.Path(spec).is_dir():
-        raise UserError("data.tokenizer", f"must be 'byte' or a local tokenizer directory (no directory {spec})")
-    return LocalHFTokenizer(spec)
+    if pathlib.Path(spec).is_dir():
+        return LocalHFTokenizer(spec)
+    if HUB_ID.match(spec):
+        return LocalHFTokenizer(hub_tokenizer_directory(spec))
+    raise UserError("data.tokenizer", f"must be 'byte', a local tokenizer directory or a hub id org/name (no directory "
+                    f"{spec})")
+
+
+def hub_tokenizer_directory(repo_id: str) -> str:
+    """The tokenizer files of hub model `repo_id` in the Hugging Face cache (downloaded when online)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=[*_TOKENIZER_FILES, "config.json"])
+    except Exception as err:  # offline, gated, missing: every one is the same fix
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError("data.tokenizer", (
+            f"{repo_id} is not a local directory and its tokenizer could not be read from the Hugging Face hub "
+            f"({reason}); download it where there is a network (hf download {repo_id} --local-dir DIR) and set "
+            "data.tokenizer=DIR")) from None
 
 
 def require_chat_template(tokenizer) -> None:
@@ -175,11 +205,10 @@ def save_for_generation(spec: str, directory) -> dict:
     import json
 
     directory = pathlib.Path(directory)
-    if spec == "byte":
-        tokenizer, eos = byte_tokenizer_for_transformers(), ByteTokenizer.eos_token_id
-    else:
-        tokenizer = LocalHFTokenizer(spec)._tok
-        eos = tokenizer.eos_token_id
+    own = load_tokenizer(spec)
+    byte = isinstance(own, ByteTokenizer)
+    tokenizer = byte_tokenizer_for_transformers() if byte else own._tok
+    eos = own.eos_token_id
     written = {pathlib.Path(p): None for p in tokenizer.save_pretrained(directory) if pathlib.Path(p).is_file()}
     path = directory / "generation_config.json"
     generation = json.loads(path.read_text()) if path.is_file() else {}
@@ -187,7 +216,7 @@ def save_for_generation(spec: str, directory) -> dict:
     if not (ends == eos or (isinstance(ends, list) and eos in ends)):
         generation["eos_token_id"] = eos
     generation.setdefault("pad_token_id", tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    if spec == "byte":
+    if byte:
         generation.pop("bos_token_id", None)  # the byte tokenizer has none: the model never saw one
     path.write_text(json.dumps(generation, indent=2) + "\n")
     written[path] = None

@@ -24,6 +24,7 @@ from portable_fsdp import backends
 from portable_fsdp.machine import hardware
 from portable_fsdp.cli import Parser, config_overrides
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
+from portable_fsdp.configs.hardware import launch_flags
 from portable_fsdp.errors import UserError, print_notices_as_lines
 from portable_fsdp.estimate.fit import estimate_config
 from portable_fsdp.estimate.process import EstimateFailed, Estimator
@@ -39,12 +40,14 @@ def parse_args(argv):
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help=f"recipe file[:variant] (default: the bundled {DEFAULT_RECIPE})")
     parser.add_argument("--backend", default="auto", choices=backends.CHOICES,
-                        help="auto: xla for a TPU --device (or plan.xla), cuda for a GPU, else cpu")
+                        help="auto: the recipe variant's, else xla for a TPU --device (or plan.xla), cuda for a GPU, "
+                             "else cpu")
     parser.add_argument("--device", default="auto",
-                        help=f"{', '.join(hardware.DEVICE_MEMORY)} or cpu (host memory); auto: the visible GPU "
-                             "on cuda, TPU_ACCELERATOR_TYPE on xla, host memory on cpu and flax")
+                        help=f"{', '.join(hardware.DEVICE_MEMORY)} or cpu (host memory); auto: the recipe variant's, "
+                             "else the visible GPU on cuda, TPU_ACCELERATOR_TYPE on xla, host memory on cpu and flax")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks (devices) the run trains on (default: the visible GPUs on cuda, 2 on cpu/flax, 1)")
+                        help="ranks (devices) the run trains on (default: the recipe variant's, else the visible GPUs "
+                             "on cuda, 2 on cpu/flax, 1)")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
     parser.add_argument("--headroom", type=float, default=HEADROOM,
                         help="share of each device's memory kept free for what is not modelled (0.1)")
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
         config = load_recipe(args.config)
         for key, value in overrides:
             apply_override(config, key, value)
+        args.backend, args.device, args.nproc = launch_flags(args.config, backend=args.backend, device=args.device,
+                                                             nproc=args.nproc)
         named = hardware.DEVICE_MEMORY.get(args.device.lower())
         backend = backends.for_device(args.backend, named[0] if named else None, config)
         backends.load(backend).prepare_config(config)

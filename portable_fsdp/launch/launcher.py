@@ -3,7 +3,6 @@ and prints one line), hold the workdir, and hand the workers' start to the backe
 elastic launcher for cpu/cuda, one SPMD process or torch_xla's launcher for xla, one JAX process for flax)."""
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import socket
@@ -83,7 +82,13 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
         backend = backends.load(backend_name)
         backend.prepare_config(config)  # before the workers get the config
         spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job}
-        return backend.start_workers(config, spec, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+
+        def checks(*args, **kwargs):
+            plan = preflight(*args, claim=claim, **kwargs)
+            spec["config"] = config.to_dict()  # train.steps and data.tokenizer as the checks resolved them
+            return plan
+
+        return backend.start_workers(config, spec, workdir, nproc, nodes, checks)
 
 
 def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool | None:

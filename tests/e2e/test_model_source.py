@@ -51,7 +51,7 @@ def test_a_hub_id_on_an_offline_machine_is_one_line_naming_the_download(field, m
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what an offline machine is told to set
     with user_error(field, "meta-llama/Llama-3.1-8B is not a local directory and could not be read from the Hugging "
-                           "Face hub (HF_HUB_OFFLINE is set); download it where there is a network (huggingface-cli "
+                           "Face hub (HF_HUB_OFFLINE is set); download it where there is a network (hf "
                            f"download meta-llama/Llama-3.1-8B --local-dir DIR) and set {field}=DIR"):
         describe_model(config_with(**{field.replace(".", "__"): "meta-llama/Llama-3.1-8B"}))
 

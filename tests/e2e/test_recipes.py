@@ -45,7 +45,7 @@ def test_an_unknown_variant_is_one_line(tmp_path):
 def honours(recipe: str, backend: str) -> bool:
     config = load_recipe(spec(recipe, "smoke"))
     plan = plan_from_config(config)
-    context = capability_context(config, plan, "cpu", SMOKE_LAUNCH[1], describe_model(config))
+    context = capability_context(config, plan, "cpu", SMOKE_LAUNCH.nproc, describe_model(config))
     return not any(isinstance(verdict, capabilities.Refused)
                    for _, verdict in capabilities.verdicts(context, capabilities.target_for(backend)))
 
@@ -60,7 +60,7 @@ DEFAULT = {("llama3_8b", "flax"), ("qwen2_5_7b", "xla"), ("qwen3_30b_a3b", "cpu"
 def test_the_smoke_variant_trains_end_to_end(recipe, backend, tmp_path):
     workdir = tmp_path / "run"
     proc = cli(["--config", spec(recipe, "smoke"), "--workdir", str(workdir), "--backend", backend,
-                "--nproc", str(SMOKE_LAUNCH[1])], cwd=tmp_path, timeout=600)
+                "--nproc", str(SMOKE_LAUNCH.nproc)], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(workdir) if "loss" in r]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

@@ -69,7 +69,7 @@ def test_byte_tokenizer_no_documents():
 
 def test_load_tokenizer_byte_and_missing_dir(tmp_path):
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
-    with user_error("data.tokenizer", "must be 'byte' or a local tokenizer directory"):
+    with user_error("data.tokenizer", "must be 'byte', a local tokenizer directory or a hub id"):
         load_tokenizer(str(tmp_path / "nope"))
 
 

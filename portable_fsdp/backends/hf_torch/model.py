@@ -80,7 +80,7 @@ def _stored_config(source: str, field: str):
         reason = "HF_HUB_OFFLINE is set" if _hub_offline() else str(err).splitlines()[0]
         raise UserError(field, (
             f"{source} is not a local directory and could not be read from the Hugging Face hub ({reason}); "
-            f"download it where there is a network (huggingface-cli download {source} --local-dir DIR) and set "
+            f"download it where there is a network (hf download {source} --local-dir DIR) and set "
             f"{field}=DIR")) from None
 
 
