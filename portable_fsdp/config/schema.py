@@ -100,12 +100,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
     c.train.lr = 3e-3
     c.train.min_lr_ratio = 0.1
-    c.train.lr_schedule = "cosine"  # after the warm-up: cosine or linear decay to min_lr_ratio * lr, or constant
+    # after the warm-up: cosine or linear decay to min_lr_ratio * lr, constant, or wsd (warmup-stable-decay: constant,
+    # then a linear decay to min_lr_ratio * lr over the last decay_ratio of train.steps)
+    c.train.lr_schedule = "cosine"
+    c.train.decay_ratio = 0.2  # wsd only
+    c.train.optimizer = "adamw"  # adamw | adafactor | lion | sgd (docs/optimizers.md: the fields each reads)
     c.train.warmup_steps = 20
     c.train.weight_decay = 0.1
     c.train.beta1 = 0.9
     c.train.beta2 = 0.95
     c.train.eps = 1e-8
+    c.train.momentum = 0.0  # sgd only
     c.train.max_grad_norm = 1.0  # 0 = no clipping
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
     c.train.freeze = []  # regexes of parameter names to keep frozen (e.g. ["embed_tokens"]; CLI: comma-separated)
