@@ -42,6 +42,7 @@ from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config.schema import from_dict
+from portable_fsdp.errors import UserError
 from portable_fsdp.data.batch import Batch
 from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
@@ -178,6 +179,9 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         if not logits_sharded:  # as step.init: the loss a chunk of tokens at a time
             chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)
+        if config.train.optimizer == "adafactor":  # it calls .item() each step, which fake tensors cannot answer
+            raise UserError("train.optimizer", "= adafactor: torch's Adafactor reads values on the host and cannot "
+                            "be estimated; estimate with train.optimizer=adamw, whose two moments outweigh Adafactor's state")
         optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train,
                                 "cpu" if plan.cpu_offload else target)
         _create_optimizer_state(model, optimizer)
