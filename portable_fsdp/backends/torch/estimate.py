@@ -180,8 +180,8 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
             chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)
         if config.train.optimizer == "adafactor":  # it calls .item() each step, which fake tensors cannot answer
-            raise UserError("train.optimizer", "= adafactor: torch's Adafactor reads values on the host and cannot "
-                            "be estimated; estimate with train.optimizer=adamw, whose two moments outweigh Adafactor's state")
+            raise UserError("train.optimizer", "= adafactor: torch's Adafactor reads values on the host and cannot be "
+                            "estimated; estimate with train.optimizer=adamw, whose two moments outweigh its state")
         optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train,
                                 "cpu" if plan.cpu_offload else target)
         _create_optimizer_state(model, optimizer)
