@@ -327,7 +327,7 @@ RULES = (
                           "fsdp_config \"xla_fsdp_v2\": true)")}),
     # ---- training fields a lowering does not have
     Rule("train.optimizer", (("train.optimizer", IsNot("adamw")), ("plan.state_dict_type", Is("FULL_STATE_DICT"))), {
-        target: Caution("= {value}: FULL checkpoints here keep the weights but not the optimizer's state (only "
+        target: Caution("FULL checkpoints here keep the weights but not the optimizer's state (only "
                         "AdamW's moves between backends); a resume restarts it") for target in ("xla", "xla_v1", "flax")}),
     Rule("train.optimizer", (("train.optimizer", IsNot("adamw")), ("plan.state_dict_type", Is("SHARDED_STATE_DICT"))), {
         target: Refused("= {value}: SHARDED checkpoints on torch_xla hold AdamW's state only; use "
