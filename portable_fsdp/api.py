@@ -29,11 +29,13 @@ from portable_fsdp.config.schema import apply_override, command_line_text, load_
 from portable_fsdp.config.training_arguments import from_training_arguments
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
+from portable_fsdp.training.callbacks import EarlyStopping, StopTraining
 from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.config.validate import check_backend, resolve_plan
 
-__all__ = ["get_config", "from_training_arguments", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed"]
+__all__ = ["get_config", "from_training_arguments", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed",
+           "StopTraining", "EarlyStopping"]
 
 # What torch's process group reads (env://), for one process when nothing (torchrun, the user) set them.
 _SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -123,11 +125,13 @@ def load(backend, state, path, config, backend_name: str | None = None):
     return checkpoint_session.resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
 
 
-def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1) -> dict | None:
+def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1, callbacks=()) -> dict | None:
     """Train as `python -m portable_fsdp.run` does, with `nproc` local processes (1: in this one; None: the
     command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
-    defaults to runs/train-<time>. Raises UserError on a bad setting, RunFailed when the run fails after it
-    started."""
+    defaults to runs/train-<time>. `callbacks`: objects with any of on_step(state, metrics), on_eval(state,
+    metrics), on_save(state, path), called on rank 0; raising StopTraining ends the run with a checkpoint
+    (portable_fsdp.training.callbacks; EarlyStopping is one). Raises UserError on a bad setting, RunFailed when the
+    run fails after it started."""
     from portable_fsdp.launch import launcher as launch
     from portable_fsdp.cli import default_workdir
 
@@ -137,6 +141,6 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
         raise UserError("nproc", f"must be at least 1 (got {nproc})")
     workdir = pathlib.Path(workdir) if workdir else default_workdir("train")
     try:
-        return launch.start(config, name, workdir, nproc)
+        return launch.start(config, name, workdir, nproc, callbacks=callbacks)
     except SystemExit as exit_:
         raise RunFailed(exit_.code if isinstance(exit_.code, int) else 1) from None

@@ -326,6 +326,12 @@ RULES = (
                           "SPMD FSDPv2 for several CPU devices (plan.xla_fsdp_v2=true; in a Hugging Face "
                           "fsdp_config \"xla_fsdp_v2\": true)")}),
     # ---- training fields a lowering does not have
+    Rule("train.optimizer", (("train.optimizer", IsNot("adamw")), ("plan.state_dict_type", Is("FULL_STATE_DICT"))), {
+        target: Caution("FULL checkpoints here keep the weights but not the optimizer's state (only "
+                        "AdamW's moves between backends); a resume restarts it") for target in ("xla", "xla_v1", "flax")}),
+    Rule("train.optimizer", (("train.optimizer", IsNot("adamw")), ("plan.state_dict_type", Is("SHARDED_STATE_DICT"))), {
+        target: Refused("= {value}: SHARDED checkpoints on torch_xla hold AdamW's state only; use "
+                        "plan.state_dict_type=FULL_STATE_DICT or train.optimizer=adamw") for target in XLA}),
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "
                         "or leave train.freeze empty")}),

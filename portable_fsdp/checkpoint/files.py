@@ -38,8 +38,9 @@ class Writer(NamedTuple):
     weights: Callable[[pathlib.Path], dict]
     # () -> torch's full optimizer state dict ({"state": {name: {...}}, "param_groups": [...]}, keyed by parameter
     # name), whole on the main process (what the others get is dropped), in host memory: the main process writes
-    # it in a thread while the weights stream.
-    optimizer_state: Callable[[], object]
+    # it in a thread while the weights stream. None: the backend keeps no portable state for this optimizer (no
+    # optimizer.pt; a resume restarts the optimizer).
+    optimizer_state: Callable[[], object] | None
     # (directory, full) -> files; main process only, no collective: the model's config.json (with `full`, what
     # from_pretrained needs to load the weights beside it: the class to build, train.save_dtype) and
     # generation_config.json where the backend writes one.
@@ -80,6 +81,7 @@ def _full(files: Writer, directory: pathlib.Path, with_optimizer: bool) -> dict:
     main process writes it in a thread while the weights stream to the shard files the other processes own first
     (safetensors_shards), so its write overlaps theirs."""
     main = files.rank == 0
+    with_optimizer = with_optimizer and files.optimizer_state is not None
     gathered = files.optimizer_state() if with_optimizer else None
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="portable_fsdp-optimizer") as pool:
         optimizer_file = pool.submit(_write_optimizer, files, gathered, directory) if with_optimizer and main else None

@@ -105,14 +105,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.resume = False  # continue from the workdir's latest checkpoint
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130
     c.train.stop_at_step = 0  # end this run (with a checkpoint) after that step; resume later. 0 = run to train.steps
-    c.train.lr = 3e-3  # peak learning rate (AdamW)
+    c.train.lr = 3e-3  # peak learning rate
     c.train.min_lr_ratio = 0.1  # the schedule ends at this fraction of train.lr
-    c.train.lr_schedule = "cosine"  # after the warm-up: cosine or linear decay to min_lr_ratio * lr, or constant
+    # after the warm-up: cosine or linear decay to min_lr_ratio * lr, constant, or wsd (warmup-stable-decay: constant,
+    # then a linear decay to min_lr_ratio * lr over the last decay_ratio of train.steps)
+    c.train.lr_schedule = "cosine"
+    c.train.decay_ratio = 0.2  # wsd only: the share of train.steps the final decay takes
+    c.train.optimizer = "adamw"  # adamw | adafactor | lion | sgd (docs/optimizers.md: the fields each reads)
     c.train.warmup_steps = 20  # linear warm-up from 0 to train.lr
-    c.train.weight_decay = 0.1  # AdamW's decoupled weight decay
-    c.train.beta1 = 0.9  # AdamW's first-moment decay
-    c.train.beta2 = 0.95  # AdamW's second-moment decay
+    c.train.weight_decay = 0.1  # decoupled weight decay (AdamW, Adafactor, Lion); L2 on the gradient for SGD
+    c.train.beta1 = 0.9  # first-moment decay (AdamW, Lion)
+    c.train.beta2 = 0.95  # second-moment decay (AdamW; Lion's momentum update)
     c.train.eps = 1e-8  # AdamW's epsilon
+    c.train.momentum = 0.0  # sgd only
     c.train.max_grad_norm = 1.0  # 0 = no clipping
     c.train.nonfinite = "stop"  # a NaN/inf loss or gradient: "stop" (error naming the step) or "skip" the update
     c.train.freeze = []  # regexes of parameter names to keep frozen (e.g. ["embed_tokens"]; CLI: comma-separated)

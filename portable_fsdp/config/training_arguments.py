@@ -147,7 +147,7 @@ def _apply_numbers(config, args, data_parallel: int) -> None:
         set_field(config, f"train.{field}", float(getattr(args, name)), _source(name))
     if _plain(args.optim) not in OPTIMIZERS:
         raise UserError(_source("optim"), (
-            f"{_plain(args.optim)} has no equivalent: every backend runs AdamW; choose {' or '.join(OPTIMIZERS)}"))
+            f"{_plain(args.optim)} has no equivalent here; choose {' or '.join(OPTIMIZERS)}"))
     if args.data_seed is not None and args.data_seed != args.seed:
         raise UserError(_source("data_seed"), (
             f"is {args.data_seed}, apart from seed {args.seed}: one seed decides both the weights and the data "

@@ -14,6 +14,7 @@ from portable_fsdp.errors import UserError, notify
 from portable_fsdp.training.evaluation import resolve_metrics, resolve_preprocess
 from portable_fsdp.training.profiling import profile_window
 from portable_fsdp.mesh_fit import check_mesh_fits
+from portable_fsdp.training.optimizers import OPTIMIZERS
 from portable_fsdp.training.schedule import SHAPES as SCHEDULE_SHAPES
 from portable_fsdp.training.sequence_split import check_divisible
 
@@ -139,6 +140,11 @@ def check_train_fields(config, data_parallel_size: int) -> None:
     profile_window(t.profile_steps, t.steps)
     if t.lr_schedule not in SCHEDULE_SHAPES:
         raise UserError("train.lr_schedule", f"unknown value {t.lr_schedule!r}; choose one of {', '.join(SCHEDULE_SHAPES)}")
+    if t.optimizer not in OPTIMIZERS:
+        raise UserError("train.optimizer", f"unknown value {t.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    for name in ("decay_ratio", "momentum"):
+        if not 0.0 <= t[name] <= 1.0:
+            raise UserError(f"train.{name}", f"must be in [0, 1] (got {t[name]})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
     for name in ("beta1", "beta2"):

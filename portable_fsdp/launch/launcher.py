@@ -65,10 +65,11 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: wor
 
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
-          nodes: LaunchSettings | None = None, job: str = "train") -> dict | None:
+          nodes: LaunchSettings | None = None, job: str = "train", callbacks=()) -> dict | None:
     """Validate, start the workers and train. `nproc`: this machine's workers; `nodes` (an Accelerate YAML's
     launch keys): the machines they train with and where they meet, one machine when None; `job`: what the
-    workers run (worker.JOBS: "train", or "probe" — portable_fsdp.selftest's device measurements). Returns the run's
+    workers run (worker.JOBS: "train", or "probe" — portable_fsdp.selftest's device measurements); `callbacks`: the
+    training loop's (portable_fsdp.training.callbacks), for workers in this process. Returns the run's
     summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
     machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
@@ -81,7 +82,8 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
         claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
         backend = backends.load(backend_name)
         backend.prepare_config(config)  # before the workers get the config
-        spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job}
+        spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job,
+                "callbacks": list(callbacks)}
 
         def checks(*args, **kwargs):
             plan = preflight(*args, claim=claim, **kwargs)

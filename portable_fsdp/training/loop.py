@@ -17,6 +17,7 @@ from portable_fsdp.checkpoint import async_save, layout as checkpointing, sessio
 from portable_fsdp.machine import hardware
 
 from portable_fsdp.training import faults
+from portable_fsdp.training.callbacks import Callbacks
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError, notify
 from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
@@ -42,11 +43,12 @@ class _Best:
         return False
 
 
-def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict:
+def run(config, plan, backend, backend_name: str, workdir: pathlib.Path, callbacks=()) -> dict:
+    """`callbacks`: portable_fsdp.training.callbacks' hooks, called on global rank 0."""
     state = backend.init(config, plan, backend_name)
     interrupt = InterruptFlag().install() if config.train.save_on_interrupt else None
     try:
-        result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt)
+        result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt, callbacks)
     except (UserError, TrainingDiverged, Interrupted):
         async_save.finish()  # a checkpoint still being written in the background is committed first
         backend.finalize(state)  # every rank stops here together: leave the process group cleanly
@@ -61,10 +63,11 @@ def run(config, plan, backend, backend_name: str, workdir: pathlib.Path) -> dict
     return result
 
 
-def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> dict:
+def _train(config, plan, backend, backend_name, workdir, state, interrupt, callbacks) -> dict:
     t = config.train
     where = backend.placement(state)
     is_main = where.rank == 0
+    hooks = Callbacks(callbacks, is_main)
     info = backend.model_info(state)
     batches, evals = open_data(config, info.vocab_size, where.dp_rank, where.dp_size)
     metrics_fn = resolve_metrics(t.compute_metrics)
@@ -125,6 +128,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             progress.log(record)
             window = []
         bookkeeping += time.perf_counter() - began - seconds
+        stopped_by = hooks.call("on_step", state, {**m, "step": done})
         improved = False
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluated = {"step": done, **evaluate(backend, state, evals, compute_metrics=metrics_fn,
@@ -133,6 +137,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             improved = best.update(evaluated["eval_loss"], done)
             if t.early_stopping_patience and best.evals_without_improvement >= t.early_stopping_patience:
                 stop_reason = f"early stopping: no better eval_loss in {t.early_stopping_patience} evals"
+            stopped_by = stopped_by or hooks.call("on_eval", state, evaluated)
+        if hooks.given and backend.any_rank(state, stopped_by is not None):  # rank 0 decided: every rank stops
+            stop_reason = stopped_by or "a callback stopped training"
         if done == t.stop_at_step:
             stop_reason = f"train.stop_at_step={done}"
         # Ranks may see a signal at different steps: agree (one tiny collective) before acting on it.
@@ -144,6 +151,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt) -> di
             new_best = dataclasses.asdict(best) if improved and t.load_best_model_at_end else None
             saved = checkpoint_session.save(backend, state, workdir, manifest_info, t.keep_last_n, best=new_best,
                                             data_state=batches.state_at(done))
+            hooks.call("on_save", state, saved)
         if interrupted:
             profiler.stop(state)
             progress.close()

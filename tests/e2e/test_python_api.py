@@ -66,3 +66,39 @@ def test_train_returns_the_summary(tmp_path):
         assert "eval_loss" in summary and "loss" in summary
         assert not results[nproc]["env_left"]  # an in-process run leaves the environment as it found it
     assert results["refused"] == "--workdir"
+
+
+CALLBACKS = """
+import json, pathlib
+import portable_fsdp as pf
+
+class Recorder:
+    def __init__(self):
+        self.steps, self.evals, self.saves = [], [], []
+
+    def on_step(self, state, metrics):
+        self.steps.append((metrics["step"], metrics["loss"]))
+
+    def on_eval(self, state, metrics):
+        self.evals.append(metrics["step"])
+
+    def on_save(self, state, path):
+        self.saves.append(str(path))
+
+config = pf.get_config("llama_tiny:test", {"train.steps": 8, "train.eval_every": 1, "train.eval_max_batches": 1})
+recorder = Recorder()
+# no evaluation improves on the first by 1e9: the third one stops the run
+summary = pf.train(config, backend="cpu", workdir="w", callbacks=[recorder, pf.EarlyStopping(patience=2, min_delta=1e9)])
+print(json.dumps({"summary": summary, "steps": recorder.steps, "evals": recorder.evals, "saves": recorder.saves}))
+"""
+
+
+def test_callbacks_see_each_step_and_early_stopping_ends_the_run_with_a_checkpoint(tmp_path):
+    proc = python(CALLBACKS, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [step for step, _ in result["steps"]] == [1, 2, 3] and all(loss > 0 for _, loss in result["steps"])
+    assert result["evals"] == [1, 2, 3]
+    assert result["summary"]["stopped"] == "early stopping: no better eval_loss in 2 evals"
+    assert result["saves"] == ["w/checkpoints/step_00000003"]
+    assert (tmp_path / "w" / "checkpoints" / "step_00000003" / "manifest.json").exists()

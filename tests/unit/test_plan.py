@@ -462,7 +462,20 @@ def test_min_lr_ratio_range(config, ratio):
 
 def test_unknown_lr_schedule(config):
     config.train.lr_schedule = "polynomial"
-    with user_error("train.lr_schedule", "unknown value 'polynomial'; choose one of cosine, linear, constant"):
+    with user_error("train.lr_schedule", "unknown value 'polynomial'; choose one of cosine, linear, constant, wsd"):
+        validate.check_train_fields(config, 1)
+
+
+def test_unknown_optimizer(config):
+    config.train.optimizer = "adam"
+    with user_error("train.optimizer", "unknown value 'adam'; choose one of adamw, adafactor, lion, sgd"):
+        validate.check_train_fields(config, 1)
+
+
+@pytest.mark.parametrize("field", ["decay_ratio", "momentum"])
+def test_wsd_and_sgd_fractions(config, field):
+    config.train[field] = 1.5
+    with user_error(f"train.{field}", "must be in [0, 1] (got 1.5)"):
         validate.check_train_fields(config, 1)
 
 

@@ -66,6 +66,22 @@ def test_constant_after_warmup():
     assert rates == pytest.approx([LR / 4, LR, LR, LR, LR])
 
 
+def test_wsd_is_constant_until_the_last_decay_ratio_then_linear():
+    """torchtitan's warmup_stable_decay: 20 steps, decay_ratio 0.25 -> 5 decay steps from step 15, progress
+    (step + 1 - 15) / 6, down to min_lr_ratio."""
+    def rate(step):
+        return schedule.learning_rate(step, lr=LR, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, shape="wsd",
+                                      decay_ratio=0.25)
+    assert [rate(s) for s in (0, 1, 2, 14)] == pytest.approx([LR / 2, LR, LR, LR])
+    assert [rate(s) for s in (15, 19, 25)] == pytest.approx([LR * (0.1 + 0.9 * 5 / 6), LR * (0.1 + 0.9 / 6), LR * 0.1])
+
+
+def test_wsd_without_decay_is_constant():
+    rates = {schedule.learning_rate(s, lr=LR, warmup_steps=0, total_steps=10, min_lr_ratio=0.0, shape="wsd")
+             for s in range(10)}
+    assert rates == {LR}
+
+
 def test_for_config_reads_the_shape():
     train = base_config().train
     train.lr, train.warmup_steps, train.steps, train.min_lr_ratio, train.lr_schedule = 2.0, 0, 10, 0.0, "linear"

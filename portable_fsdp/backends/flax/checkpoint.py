@@ -47,7 +47,7 @@ def _writer(state: TrainState) -> checkpoint_files.Writer:
     return checkpoint_files.Writer(
         rank=jax.process_index(), full=state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
         weights=functools.partial(_save_weights, state),
-        optimizer_state=functools.partial(_torch_optimizer_state, state),
+        optimizer_state=functools.partial(_torch_optimizer_state, state) if _portable_state(state) else None,
         model_config=lambda directory, full: _model_config(state, directory),
         sharded=functools.partial(sharded.save, state), torch_save=_torch_save)
 
@@ -112,7 +112,7 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
     host = {name: value.astype(state.params[name].dtype) for name, value in host.items()}
     params = place_all(host, ctx.param_sharding)
     opt_state = state.opt_state
-    if (directory / checkpointing.OPTIMIZER).exists():
+    if (directory / checkpointing.OPTIMIZER).exists() and _portable_state(state):
         opt_state = _load_torch_optimizer_state(state, directory / checkpointing.OPTIMIZER)
     return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
 
@@ -133,6 +133,11 @@ def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path, dtype
     config.dtype = dtype
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
+
+
+def _portable_state(state: TrainState) -> bool:
+    """Whether FULL checkpoints carry the optimizer's state: AdamW's only (docs/capabilities.md)."""
+    return state.ctx.config.train.optimizer == "adamw"
 
 
 def _param_groups(state: TrainState, names_in_torch_order: list) -> list:

@@ -50,7 +50,7 @@ def estimate_memory(request: dict) -> dict:
     params = {name: _abstract(shape, param_sharding[name]) for name, shape in model_def.shapes.items()}
     optimizer = optimizer_lib.build(config.train)
     opt_shapes = jax.eval_shape(optimizer.init, params)
-    opt_sharding = sharding.optimizer_shardings(opt_shapes, param_sharding, mesh)
+    opt_sharding = sharding.optimizer_shardings(opt_shapes, model_def.shapes, param_sharding, mesh)
     opt_state = jax.tree.map(_abstract, opt_shapes, opt_sharding)
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding,
                                   COMPUTE_DTYPES[plan.mixed_precision.param_dtype], config.train.loss_chunk_tokens,

@@ -1,16 +1,23 @@
-"""The optax update that equals the torch lowering's: clip_grad_norm_, then torch.optim.AdamW.
+"""The optax update that equals the torch lowering's: clip_grad_norm_, then the torch optimizer `train.optimizer`
+names (backends/hf_torch/optimizer.py build_optimizer).
 
 - Clipping: torch's formula coef = max_norm / (norm + 1e-6), clamped to 1 (optax's own
   clip_by_global_norm divides by the norm without the 1e-6).
 - AdamW: optax.adamw is torch's update — bias-corrected moments, eps added outside the square root,
   decay decoupled and scaled by the learning rate — with decay masked to >= 2-D parameters as in
-  portable_fsdp/backends/hf_torch/optimizer.py build_adamw.
+  portable_fsdp/backends/hf_torch/optimizer.py build_optimizer.
+- Lion: optax.lion is hf_torch/lion.py's update. SGD: torch adds the decay to the gradient before the momentum
+  (L2), so add_decayed_weights comes before optax.sgd.
+- Adafactor: torch.optim.Adafactor's definition rebuilt from optax's parts (`adafactor_like_torch`): optax.adafactor
+  factors only dimensions of at least 128, decays weights without the learning rate and has no step-size cap.
 - The learning rate is a hyperparameter set before every step from portable_fsdp.training.schedule, so both
   backends read the same number.
 Gradient accumulation is not optax.MultiSteps: that averages per micro-batch; step.py sums token
 losses over the whole accumulated batch and divides once by its label-token count.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +44,59 @@ def decays(params: dict) -> dict:
     return {name: p.ndim >= 2 for name, p in params.items()}
 
 
-def build(train_cfg) -> optax.GradientTransformation:
+def scale_by_step_cap(learning_rate) -> optax.GradientTransformation:
+    """Scale by torch Adafactor's step size min(lr, 1 / sqrt(t)), t the 1-based step."""
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        step = (state.count + 1).astype(jnp.float32)
+        rate = jnp.minimum(learning_rate, jax.lax.rsqrt(step))
+        return jax.tree.map(lambda u: (u * rate).astype(u.dtype), updates), optax.ScaleByScheduleState(state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def adafactor_like_torch(learning_rate, weight_decay, mask) -> optax.GradientTransformation:
+    """torch.optim.Adafactor with its defaults: every >= 2-D tensor factored over its last two dimensions' means, the
+    second moment decaying as 1 - t^-0.8, the update clipped to RMS 1, scaled by max(1e-3, RMS(param)) and the capped
+    step size, and decay p *= 1 - lr * weight_decay. torch clamps the variance at eps^2 where optax adds 1e-30 to
+    the squared gradient: the two differ only for gradients near zero."""
+    return optax.chain(
+        optax.scale_by_factored_rms(min_dim_size_to_factor=1),
+        optax.clip_by_block_rms(1.0),
+        scale_by_step_cap(learning_rate),
+        optax.scale_by_param_block_rms(1e-3),
+        optax.scale(-1.0),
+        optax.add_decayed_weights(-learning_rate * weight_decay, mask))
+
+
+def sgd_like_torch(learning_rate, momentum, weight_decay, mask) -> optax.GradientTransformation:
+    return optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                       optax.sgd(learning_rate, momentum=momentum or None))
+
+
+def _named(train_cfg) -> optax.GradientTransformation:
     # `mask` is a function of the parameters, not a schedule: keep it out of the injected hyperparameters.
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=train_cfg.lr, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
-        weight_decay=train_cfg.weight_decay, mask=decays)
+    t, inject = train_cfg, functools.partial(optax.inject_hyperparams, static_args=("mask",))
+    if t.optimizer == "adafactor":
+        return inject(adafactor_like_torch)(learning_rate=t.lr, weight_decay=t.weight_decay, mask=decays)
+    if t.optimizer == "lion":
+        return inject(optax.lion)(learning_rate=t.lr, b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decays)
+    if t.optimizer == "sgd":
+        # momentum 0 means no trace at all (a structural choice): static, like the mask
+        return optax.inject_hyperparams(sgd_like_torch, static_args=("mask", "momentum"))(
+            learning_rate=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, mask=decays)
+    return inject(optax.adamw)(learning_rate=t.lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay,
+                               mask=decays)
+
+
+def build(train_cfg) -> optax.GradientTransformation:
     if train_cfg.max_grad_norm > 0:
-        return optax.chain(clip_by_global_norm_like_torch(train_cfg.max_grad_norm), adamw)
-    return optax.chain(adamw)
+        return optax.chain(clip_by_global_norm_like_torch(train_cfg.max_grad_norm), _named(train_cfg))
+    return optax.chain(_named(train_cfg))
 
 
 def with_learning_rate(opt_state, lr):

@@ -191,14 +191,15 @@ class Layout:
                                *free)
 
 
-def optimizer_shardings(opt_state_shapes, param_sharding: dict, mesh: Mesh):
-    """Moments are sharded like their parameter (found by the parameter's name in the state's path);
-    counters and hyperparameters are replicated."""
-    def choose(path, _leaf):
+def optimizer_shardings(opt_state_shapes, param_shapes: dict, param_sharding: dict, mesh: Mesh):
+    """Moments are sharded like their parameter (found by the parameter's name in the state's path); counters,
+    hyperparameters and statistics of another shape (Adafactor's row and column means, small) are replicated."""
+    def choose(path, leaf):
         for key in reversed(path):
             name = getattr(key, "key", None)
             if isinstance(name, str) and name in param_sharding:
-                return param_sharding[name]
+                same_shape = leaf.shape == param_shapes[name].shape
+                return param_sharding[name] if same_shape else replicated(mesh)
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(choose, opt_state_shapes)

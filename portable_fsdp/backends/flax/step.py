@@ -76,7 +76,8 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     params = weights.place(param_sharding)
     del weights  # a model built whole (initial.built_whole) leaves the host here
     optimizer = optimizer_lib.build(config.train)
-    opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), param_sharding, mesh)
+    opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), model_def.shapes,
+                                                param_sharding, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype,

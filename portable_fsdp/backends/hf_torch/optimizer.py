@@ -1,10 +1,11 @@
-"""The optimizer update both torch-based lowerings (FSDP2 and torch_xla) share: AdamW with decay only
-on parameters that are at least 2-D (not on norms), the learning rate set each step, and the step
-skipped or refused when the loss or the gradients are not finite."""
+"""The optimizer update both torch-based lowerings (FSDP2 and torch_xla) share: the optimizer `train.optimizer`
+names (portable_fsdp/training/optimizers.py) with decay only on parameters that are at least 2-D (not on norms),
+the learning rate set each step, and the step skipped or refused when the loss or the gradients are not finite."""
 from __future__ import annotations
 
 import torch
 
+from portable_fsdp.backends.hf_torch.lion import Lion
 from portable_fsdp.errors import require_finite
 
 
@@ -20,15 +21,21 @@ def adamw_kernel(device_type: str) -> dict:
     return {"foreach": True, "fused": False}
 
 
-def build_adamw(params_with_ndim, train_cfg, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(params_with_ndim, train_cfg, device_type: str) -> torch.optim.Optimizer:
     """`params_with_ndim`: (parameter, its logical rank) pairs — a flattened shard still decays by its
     original shape; `device_type`: where the parameters (and so the optimizer state) live, which picks the
     kernel. Created after wrapping, so its state is sharded too."""
     trainable = [(p, ndim) for p, ndim in params_with_ndim if p.requires_grad]
-    return torch.optim.AdamW([{"params": [p for p, ndim in trainable if ndim >= 2], "weight_decay": train_cfg.weight_decay},
-                              {"params": [p for p, ndim in trainable if ndim < 2], "weight_decay": 0.0}],
-                             lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
-                             **adamw_kernel(device_type))
+    groups = [{"params": [p for p, ndim in trainable if ndim >= 2], "weight_decay": train_cfg.weight_decay},
+              {"params": [p for p, ndim in trainable if ndim < 2], "weight_decay": 0.0}]
+    t = train_cfg
+    if t.optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=t.lr, foreach=device_type != "xla")
+    if t.optimizer == "lion":
+        return Lion(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, foreach=device_type != "xla")
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernel(device_type))
 
 
 def apply_update(optimizer: torch.optim.Optimizer, lr: float, loss: float, grad_norm: float, step: int,

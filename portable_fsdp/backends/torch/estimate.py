@@ -4,7 +4,7 @@
 `estimate_rank` builds what `step.init` builds — the transformers model (inside FakeTensorMode: no weight is
 ever allocated), the plan's DeviceMesh (`mesh.build_meshes`), float8, tensor / expert / context / sequence
 parallelism, activation checkpointing and `fully_shard` (`parallelize.parallelize`), the chunked loss
-(`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_adamw`) — and trains one step of a fake micro-batch of the config's per-rank size
+(`hf_torch.chunked_loss.install`), the optimizer (`hf_torch.optimizer.build_optimizer`) — and trains one step of a fake micro-batch of the config's per-rank size
 through the step's own sharding and loss (`step.sharded_batch`, `step.rank_loss_sum`). The tracker attributes every
 storage alive at each operation to parameters, gradients, optimizer state, activations, FSDP's gathered
 buffers or temporaries; the step's peak is the largest total, with what made it up at that moment.
@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss
-from portable_fsdp.backends.hf_torch.optimizer import build_adamw
+from portable_fsdp.backends.hf_torch.optimizer import build_optimizer
 from portable_fsdp.backends.torch import distributed, expert_parallel, step as step_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup
 from portable_fsdp.backends.torch.mesh import build_meshes
@@ -42,6 +42,7 @@ from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients
 from portable_fsdp.config.schema import from_dict
+from portable_fsdp.errors import UserError
 from portable_fsdp.data.batch import Batch
 from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
@@ -178,7 +179,10 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
         if not logits_sharded:  # as step.init: the loss a chunk of tokens at a time
             chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)
-        optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train,
+        if config.train.optimizer == "adafactor":  # it calls .item() each step, which fake tensors cannot answer
+            raise UserError("train.optimizer", "= adafactor: torch's Adafactor reads values on the host and cannot be "
+                            "estimated; estimate with train.optimizer=adamw, whose two moments outweigh its state")
+        optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train,
                                 "cpu" if plan.cpu_offload else target)
         _create_optimizer_state(model, optimizer)
         runtime = distributed.Runtime(target, rank, world_size, rank, device)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
-from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_adamw
+from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_optimizer
 from portable_fsdp.backends.torch import checkpoint, distributed
 from portable_fsdp.backends.torch import float8
 from portable_fsdp.backends.torch import host_allocator, resources
@@ -115,7 +115,7 @@ def init(config, plan: ShardingPlan, backend: str) -> TrainState:
     if on_meta:
         materialize_shards(model, on_meta, parameters_on, runtime.device)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
-    optimizer = build_adamw(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
+    optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
                                                    schedule_for(config.train), baseline_mb))
 

@@ -47,7 +47,7 @@ def _writer(state) -> checkpoint_files.Writer:
     return checkpoint_files.Writer(
         rank=ctx.runtime.rank, full=ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
         weights=functools.partial(_save_full_weights, state),
-        optimizer_state=functools.partial(_full_optimizer_state, state),
+        optimizer_state=functools.partial(_full_optimizer_state, state) if _portable_state(state) else None,
         model_config=lambda directory, full: export.model_config(ctx.hf_model, ctx.info.root_class, directory,
                                                                  ctx.config.train.save_dtype, full),
         sharded=functools.partial(_save_sharded, state), torch_save=torch.save,
@@ -87,6 +87,12 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
     return dataclasses.replace(state, step=manifest["step"])
 
 
+def _portable_state(state) -> bool:
+    """Whether FULL checkpoints carry the optimizer's state: AdamW's only, whose moments are gathered and placed
+    like their parameters (docs/capabilities.md; SHARDED ones are refused for the others)."""
+    return state.ctx.config.train.optimizer == "adamw"
+
+
 def _full_optimizer_state(state) -> dict:
     """torch's FULL optimizer state dict: {"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}."""
     ctx, optimizer = state.ctx, state.optimizer
@@ -122,7 +128,7 @@ def _load_full(state, directory: pathlib.Path) -> None:
     if missing:
         raise UserError("train.resume", f"the weights in {directory} lack {', '.join(missing[:3])}: another model")
     optim_file = directory / checkpointing.OPTIMIZER
-    if optim_file.exists():
+    if optim_file.exists() and _portable_state(state):
         saved = torch.load(optim_file, weights_only=False)["state"]
         for n in ctx.named:
             if n.name in saved:

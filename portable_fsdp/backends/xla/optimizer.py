@@ -1,6 +1,6 @@
-"""AdamW over the sharded parameters, and global-norm clipping computed on the device.
+"""The optimizer over the sharded parameters, and global-norm clipping computed on the device.
 
-The same optimizer as the torch backend (hf_torch.optimizer: torch.optim.AdamW, decay only on parameters that
+The same optimizer as the torch backend (hf_torch.optimizer: `train.optimizer`'s, decay only on parameters that
 are at least 2-D, here with the single-tensor kernels: the fused and foreach ones reject or mishandle xla
 tensors). Decay is decided on each
 parameter's original shape, since FSDP v1 hands the optimizer flat 1-D shards.
@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch_xla
 
-from portable_fsdp.backends.hf_torch.optimizer import build_adamw
+from portable_fsdp.backends.hf_torch import optimizer as torch_optimizers
 from portable_fsdp.backends.xla import runtime as rt
 
 
 def build_optimizer(named: list, train_cfg) -> torch.optim.Optimizer:
     """Over the parameters the wrappers left (their shards), decaying by each one's original shape."""
-    return build_adamw(((n.param, len(n.shape)) for n in named), train_cfg, "xla")
+    return torch_optimizers.build_optimizer(((n.param, len(n.shape)) for n in named), train_cfg, "xla")
 
 
 def prime_state(optimizer: torch.optim.Optimizer) -> None:
