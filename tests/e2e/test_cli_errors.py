@@ -235,8 +235,8 @@ def test_several_machines_are_refused_when_auto_resolves_to_xla(capsys, tmp_path
                     "num_machines: 2\nnum_processes: 2\n")
     code, err = run_main(capsys, "--fsdp_config", str(yaml), "--workdir", str(tmp_path / "w"))
     assert code == 2
-    assert err[-1] == (f"error: {yaml}: num_machines: = 2: the xla backend's launcher starts one host; set "
-                       "num_machines: 1")
+    assert err[-1] == (f"error: {yaml}: num_machines: = 2: --backend xla runs several machines only as the hosts of "
+                       "one TPU slice, and this host is not in one; set num_machines: 1")
     assert not (tmp_path / "w").exists()
 
 
