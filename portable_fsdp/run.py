@@ -14,6 +14,7 @@ from portable_fsdp.config import accelerate as accelerate_launch
 from portable_fsdp.cli import Parser, config_overrides, default_workdir
 from portable_fsdp.config.schema import DEFAULT_RECIPE, apply_override, load_recipe
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
+from portable_fsdp.storage import remote as storage
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
 
 # Accelerate launch's ParallelismConfig flags (`accelerate launch --use_parallelism_config
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
             raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
                                           "machine writes to (a shared disk): checkpoints hold every rank's files"))
         workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
+        if storage.is_url(args.workdir):
+            workdir = storage.working_copy(args.workdir)
         from portable_fsdp.launch import launcher as launch
 
         launch.start(config, backend, workdir, nproc, nodes)

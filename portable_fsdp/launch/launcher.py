@@ -13,6 +13,7 @@ from portable_fsdp import backends
 from portable_fsdp.checkpoint import layout as checkpointing
 
 from portable_fsdp.launch import workdir_lock
+from portable_fsdp.storage import lock as bucket_lock, remote as storage, sync
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import UserError, notify
@@ -56,6 +57,11 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: wor
         probe.unlink()
     except OSError as err:
         raise UserError("--workdir", f"{workdir} is not writable ({err.strerror}); choose another directory") from None
+    remote = storage.of(workdir)
+    if remote is not None:  # the bucket is the workdir: its lock, its checkpoints (portable_fsdp/storage/sync.py)
+        if claim is not None and claim.lock is not None:
+            claim.hold(bucket_lock.acquire(remote))
+        sync.prepare(remote, workdir, resume)
     if not resume and (checkpointing.root(workdir) / "latest").exists():
         raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
                                       "continue from them, or choose a new --workdir"))
@@ -80,7 +86,12 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
         backend = backends.load(backend_name)
         backend.prepare_config(config)  # before the workers get the config
         spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job}
-        return backend.start_workers(config, spec, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+        try:
+            return backend.start_workers(config, spec, workdir, nproc, nodes, functools.partial(preflight, claim=claim))
+        finally:
+            remote = storage.of(workdir)
+            if remote is not None and claim.lock is not None:  # the run's records, however it ended
+                sync.push_records(remote, workdir)
 
 
 def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool | None:
