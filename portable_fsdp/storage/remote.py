@@ -54,10 +54,10 @@ def transient(err: BaseException) -> bool:
                                              "Throttl", "TooManyRequests"))
 
 
-def retrying(call, *args, total_s: float = RETRY_TOTAL_S, **kwargs):
+def retrying(call, *args, total_s: float | None = None, **kwargs):
     """`call(*args, **kwargs)`, tried again after an exponential backoff with full jitter while its errors are
-    transient and `total_s` has not passed."""
-    deadline, attempt = time.monotonic() + total_s, 0
+    transient and `total_s` (RETRY_TOTAL_S) has not passed."""
+    deadline, attempt = time.monotonic() + (RETRY_TOTAL_S if total_s is None else total_s), 0
     while True:
         try:
             return call(*args, **kwargs)
