@@ -31,7 +31,8 @@ def parse_args(argv):
                         help="auto = xla on a TPU or when plan.xla is true, cuda when a GPU is present, else cpu; "
                              "xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
-    parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
+    parser.add_argument("--workdir", default=None, help=("where metrics and checkpoints go: a directory, or s3://bucket/path or gs://bucket/path "
+                                                              "(default: runs/<recipe>-<time>)"))
     parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
     parser.add_argument("--fsdp", default=None, metavar="OPTIONS",
                         help='Hugging Face TrainingArguments\' fsdp: option words, e.g. "full_shard auto_wrap offload", '
@@ -83,9 +84,8 @@ def main(argv=None) -> int:
         if nodes.multi_node and not args.workdir:
             raise UserError("--workdir", (f"num_machines: {nodes.num_machines} needs --workdir, one directory every "
                                           "machine writes to (a shared disk): checkpoints hold every rank's files"))
-        workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
-        if storage.is_url(args.workdir):
-            workdir = storage.working_copy(args.workdir)
+        workdir = storage.working_copy(args.workdir) if storage.is_url(args.workdir) else \
+            pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp.launch import launcher as launch
 
         launch.start(config, backend, workdir, nproc, nodes)
