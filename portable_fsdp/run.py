@@ -31,8 +31,9 @@ def parse_args(argv):
                         help="auto = xla on a TPU or when plan.xla is true, cuda when a GPU is present, else cpu; "
                              "xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
-    parser.add_argument("--workdir", default=None, help=("where metrics and checkpoints go: a directory, or s3://bucket/path or gs://bucket/path "
-                                                              "(default: runs/<recipe>-<time>)"))
+    parser.add_argument("--workdir", default=None, help=("where metrics and checkpoints go: a directory, or "
+                                                         "s3://bucket/path or gs://bucket/path (default: "
+                                                         "runs/<recipe>-<time>)"))
     parser.add_argument("--nproc", type=int, default=None, help="local worker processes (default: 2 on CPU, #GPUs on CUDA)")
     parser.add_argument("--fsdp", default=None, metavar="OPTIONS",
                         help='Hugging Face TrainingArguments\' fsdp: option words, e.g. "full_shard auto_wrap offload", '
