@@ -3,8 +3,8 @@ call retried with backoff on transient errors, and the errors a user can fix tur
 
 A run with `--workdir s3://bucket/run` works in a local working copy (`local_workdir`; the rest of the code sees
 only that directory) and names its bucket in the copy's `.remote` file (`working_copy`, `of`);
-portable_fsdp.storage.sync moves checkpoints and records between the two. S3-compatible servers are reached through the standard
-AWS_ENDPOINT_URL and credentials variables. Imports no framework.
+portable_fsdp.storage.sync moves checkpoints and records between the two. S3-compatible servers are reached
+through the standard AWS_ENDPOINT_URL and credentials variables. Imports no framework.
 """
 from __future__ import annotations
 

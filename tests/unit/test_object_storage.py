@@ -16,7 +16,8 @@ def committed_locally(workdir, step: int):
     (staging / "model.safetensors").write_bytes(bytes([step]) * 1000)
     (staging / "rng").mkdir()
     (staging / "rng" / "rank_00000.pt").write_bytes(b"rng")
-    checkpointing.write_report(staging, 0, {staging / "model.safetensors": None, staging / "rng" / "rank_00000.pt": None})
+    written = {staging / "model.safetensors": None, staging / "rng" / "rank_00000.pt": None}
+    checkpointing.write_report(staging, 0, written)
     return checkpointing.commit(workdir, step, {"backend": "cpu"}, keep_last_n=0)
 
 
