@@ -6,7 +6,7 @@ S3-compatible server (moto's, started here in a process of its own on a local po
     python -m benchmarks.object_storage --quick    # a tiny model: checks the script works, measures nothing
 
 A save is the product's `checkpoint_session.save` into the bucket's local working copy: the local write and commit,
-then rank 0's upload (portable_fsdp/storage/sync.py). A resume is what a fresh machine does: the local copy removed,
+then rank 0's upload (portable_fsdp/storage/sync.py), timed until it ends (training would go on meanwhile). A resume is what a fresh machine does: the local copy removed,
 `sync.pull_latest` (the download), then `checkpoint_session.resume` (checksums and load). Raw: fsspec's own
 `put` and `get` of the checkpoint's files, one call each. "local save s": the same save into a plain directory,
 so "save - local" is what the bucket adds. Results: benchmarks/results/object_storage.json.
@@ -32,7 +32,7 @@ BUCKET = "benchmark"
 def _worker(spec: dict) -> None:
     import torch.distributed as dist
 
-    from portable_fsdp.checkpoint import layout as checkpointing, session as checkpoint_session
+    from portable_fsdp.checkpoint import async_save, layout as checkpointing, session as checkpoint_session
     from portable_fsdp.storage import remote as storage, sync
 
     backend, state, config, plan, _ = trained_state(spec["model"])
@@ -46,6 +46,8 @@ def _worker(spec: dict) -> None:
             backend.barrier(state)
             began = time.perf_counter()
             final = checkpoint_session.save(backend, state, workdir, info, keep_last_n=1)
+            async_save.finish()  # the upload, in the background of the training steps
+            backend.barrier(state)
             timed[name] = time.perf_counter() - began
         remote = storage.open_remote(url)
         if rank == 0:  # a fresh machine: nothing local

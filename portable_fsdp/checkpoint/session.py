@@ -168,5 +168,7 @@ def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, k
         info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
     checkpointing.commit(workdir, step, info, keep_last_n)
     remote = storage.of(workdir)
-    if remote is not None:  # a workdir in a bucket: the commit there (portable_fsdp/storage/sync.py)
-        sync.commit_checkpoint(remote, workdir, final, keep_last_n)
+    if remote is not None:  # a workdir in a bucket: the commit there (portable_fsdp/storage/sync.py), while training
+        # goes on: no wait of the other ranks is bounded by the upload
+        async_save.in_background(functools.partial(sync.commit_checkpoint, remote, workdir, final, keep_last_n),
+                                 f"portable_fsdp-upload-{step}")

@@ -4,8 +4,9 @@ Checkpoints are written and committed in the local copy exactly as in a local wo
 unchanged; portable_fsdp/checkpoint/layout.py); rank 0 then uploads the committed checkpoint to
 <url>/checkpoints/step_N/: every file the manifest lists, then manifest.json — the commit marker, an object store
 having no rename — then `best` and `latest`. A prefix without manifest.json is never resumed nor named by `latest`,
-and the leftovers of an upload that was killed are removed by the next commit. Rank 0's upload runs where its local
-commit runs: in the background with train.async_save, otherwise while the other ranks wait at the save's barrier.
+and the leftovers of an upload that was killed are removed by the next commit. Rank 0 uploads in a thread while
+training goes on (portable_fsdp.checkpoint.async_save.in_background): the next save and the end of the run wait for
+it, so one upload at most is in flight and no rank's bounded wait covers an upload's time.
 Once a checkpoint is in the bucket the older local copies are removed (the one marked best is kept), so the local
 disk holds about one checkpoint; the bucket keeps train.keep_last_n of them.
 
