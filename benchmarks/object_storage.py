@@ -116,7 +116,10 @@ def main() -> None:
         return
     port = free_port()
     os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "benchmark",
-                       "AWS_SECRET_ACCESS_KEY": "benchmark", "AWS_DEFAULT_REGION": "us-east-1"})
+                       "AWS_SECRET_ACCESS_KEY": "benchmark", "AWS_DEFAULT_REGION": "us-east-1",
+                       # moto assembles a multipart object in Python when it is completed: GBs take minutes here,
+                       # and botocore's 60 s read timeout would send the completion again, for an upload gone by then
+                       "FSSPEC_S3": json.dumps({"config_kwargs": {"read_timeout": 900}})})
     server = _s3_server(port)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -149,10 +149,10 @@ def _holder_live(holder: dict, locked: bool | None, refreshed: float) -> bool:
         return time.time() - refreshed < STALE_S
     if locked:  # on this machine the kernel's word is final: its holder is gone
         return False
-    return holder.get("pid") != os.getpid() and _pid_alive(holder.get("pid"))
+    return holder.get("pid") != os.getpid() and pid_alive(holder.get("pid"))
 
 
-def _pid_alive(pid) -> bool:
+def pid_alive(pid) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

@@ -1,7 +1,8 @@
 """One run per workdir in a bucket: the `.lock` object, created only if absent (a conditional create on the
 server), names its holder and is rewritten every HEARTBEAT_S; a lock not rewritten for STALE_S is left by a run that
-is gone and is taken over with one warning line. The run's end removes it. The local working copy keeps its own
-flock (portable_fsdp.launch.workdir_lock) as well. Imports no framework."""
+is gone (on this machine: one whose process has ended) and is taken over with one warning line. The run's end
+removes it. The local working copy keeps its own flock (portable_fsdp.launch.workdir_lock) as well. Imports no
+framework."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import time
 import uuid
 
 from portable_fsdp.errors import UserError
-from portable_fsdp.launch.workdir_lock import HEARTBEAT_S, STALE_S, NAME
+from portable_fsdp.launch.workdir_lock import HEARTBEAT_S, NAME, STALE_S, pid_alive
 from portable_fsdp.storage.remote import Remote
 
 
@@ -53,6 +54,14 @@ def _holder(remote: Remote) -> dict | None:
         return {"host": "?", "pid": None, "refreshed": 0.0}
 
 
+def _live(holder: dict, stale_s: float) -> bool:
+    """A holder on this machine is live while its process is (a run killed with SIGKILL leaves its object
+    behind); one on another machine while it refreshes the object."""
+    if holder.get("host") == socket.gethostname():
+        return holder.get("pid") != os.getpid() and pid_alive(holder.get("pid"))
+    return time.time() - holder.get("refreshed", 0.0) < stale_s
+
+
 def acquire(remote: Remote, stale_s: float = STALE_S, heartbeat_s: float = HEARTBEAT_S) -> BucketLock:
     """Take `<url>/.lock`, or raise UserError naming the live run that holds it."""
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
@@ -63,7 +72,7 @@ def acquire(remote: Remote, stale_s: float = STALE_S, heartbeat_s: float = HEART
             return BucketLock(remote, record, heartbeat_s)
         except FileExistsError:
             holder = _holder(remote) or {}
-            if time.time() - holder.get("refreshed", 0.0) < stale_s:
+            if _live(holder, stale_s):
                 break
             print(f"warning: --workdir: taking over {remote.url} from a run that is no longer running (host "
                   f"{holder.get('host')}, pid {holder.get('pid')})", file=sys.stderr, flush=True)

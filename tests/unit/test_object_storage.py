@@ -1,6 +1,8 @@
 """A workdir in a bucket (portable_fsdp/storage) against the session's S3-compatible server: the commit protocol
 (no manifest, no checkpoint; `latest` never names a partial prefix), retries, the lock object."""
 import json
+import os
+import socket
 import time
 
 import pytest
@@ -118,19 +120,36 @@ def test_a_lasting_or_permanent_error_is_raised(working_copy, fast_backoff, monk
     assert 1 < down.calls < 10**9
 
 
-def test_the_lock_object_admits_one_run_and_a_stale_one_is_taken_over(working_copy, capsys):
+def holder(**fields) -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "then", "token": "theirs",
+                       "refreshed": time.time(), **fields})
+
+
+@pytest.mark.parametrize("record,live", [
+    ({}, True),  # this machine, a live process
+    ({"pid": 2**22 + 1}, False),  # this machine, a process that has ended (killed with SIGKILL)
+    ({"host": "elsewhere", "pid": 1}, True),  # another machine, refreshed just now
+    ({"host": "elsewhere", "pid": 1, "refreshed": 0.0}, False),  # another machine, its heartbeat long stopped
+])
+def test_the_lock_object_refuses_a_live_run_and_takes_over_a_gone_one(working_copy, capsys, record, live):
     remote, _ = working_copy
-    held = lock.acquire(remote)
-    with pytest.raises(UserError, match=r"is in use by a live run \(host .*, pid \d+"):
-        lock.acquire(remote)
-    record = json.loads(remote.read_text(lock.NAME))
-    remote.write_text(lock.NAME, json.dumps({**record, "refreshed": 0.0}))  # its heartbeat stopped long ago
+    remote.write_text(lock.NAME, holder(**record))
+    if live:
+        with pytest.raises(UserError, match=r"is in use by a live run \(host .*, pid \d+"):
+            lock.acquire(remote)
+        return
     taken = lock.acquire(remote)
     assert "taking over" in capsys.readouterr().err
-    held.release()  # no longer its lock: left in place
-    assert remote.read_text(lock.NAME) is not None
     taken.release()
     assert remote.read_text(lock.NAME) is None
+
+
+def test_a_released_lock_leaves_a_lock_taken_over_from_it_in_place(working_copy):
+    remote, _ = working_copy
+    held = lock.acquire(remote)
+    remote.write_text(lock.NAME, holder(token="the new holder's"))
+    held.release()
+    assert json.loads(remote.read_text(lock.NAME))["token"] == "the new holder's"
 
 
 def test_the_lock_heartbeat_keeps_it_fresh(working_copy):
