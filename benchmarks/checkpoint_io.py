@@ -83,9 +83,10 @@ def raw_rates(directory: pathlib.Path, nbytes: int) -> dict:
     return {"write_s": write_s, "read_s": read_s}
 
 
-def _worker(spec: dict) -> None:
+def trained_state(model: dict, threads: int = 0):
+    """A torchrun worker's (backend, state, config, plan, batches): `model` on the cpu backend after one training
+    step (AdamW's state then exists, so a checkpoint holds it). `threads`: intra-op threads (0: init's share)."""
     import torch
-    import torch.distributed as dist
 
     from portable_fsdp import backends
     from portable_fsdp.config.schema import apply_override, load_recipe
@@ -93,19 +94,37 @@ def _worker(spec: dict) -> None:
     from portable_fsdp.config.validate import resolve_plan
 
     config = load_recipe(None)
-    for key, value in {**{f"model.{k}": v for k, v in spec["model"].items()}, "data.seq_len": 32,
+    for key, value in {**{f"model.{k}": v for k, v in model.items()}, "data.seq_len": 32,
                        "train.batch_size": 2, "train.progress_bar": False}.items():
         apply_override(config, key, str(value).lower() if isinstance(value, bool) else str(value))
     world = int(os.environ["WORLD_SIZE"])
     plan = resolve_plan(config, world)
     backend = backends.load("cpu")
     state = backend.init(config, plan, "cpu")
-    if spec["threads"]:  # after init, which gives each rank its share of the cores
-        torch.set_num_threads(spec["threads"])
+    if threads:  # after init, which gives each rank its share of the cores
+        torch.set_num_threads(threads)
     rank = backend.placement(state).rank
     data = build_token_data(config.data, config.model.vocab_size, config.train.batch_size)
     batches = TrainBatches(data.train, config.train.batch_size, 1, config.seed, None)
-    state, _ = backend.train_step(state, batches.micro_batches(0, rank, world))  # AdamW's state now exists
+    state, _ = backend.train_step(state, batches.micro_batches(0, rank, world))
+    return backend, state, config, plan, batches
+
+
+def with_layout(backend, state, config, plan, layout: str):
+    """(state, manifest info) saving in `layout` (FULL_STATE_DICT or SHARDED_STATE_DICT)."""
+    from portable_fsdp.checkpoint import session as checkpoint_session
+
+    layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
+    state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
+    return state, checkpoint_session.manifest_info(config, layout_plan, "cpu", backend.placement(state))
+
+
+def _worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend, state, config, plan, batches = trained_state(spec["model"], spec["threads"])
+    rank = backend.placement(state).rank
     results = {"n_params": backend.model_info(state).n_params, "intra_op_threads": torch.get_num_threads()}
     if spec["disk"]:
         state = _against_the_disk(backend, state, config, plan, spec, results)
@@ -126,9 +145,7 @@ def _against_the_disk(backend, state, config, plan, spec, results):
     for round_ in range(spec["disk_rounds"]):
         for layout in LAYOUTS:
             workdir = pathlib.Path(spec["workdir"]) / layout
-            layout_plan = dataclasses.replace(plan, state_dict_type=type(plan.state_dict_type)[layout])
-            state = dataclasses.replace(state, ctx=dataclasses.replace(state.ctx, plan=layout_plan))
-            info = checkpoint_session.manifest_info(config, layout_plan, "cpu", backend.placement(state))
+            state, info = with_layout(backend, state, config, plan, layout)
             backend.barrier(state)
             began = time.perf_counter()
             final = checkpoint_session.save(backend, state, workdir, info, keep_last_n=1)

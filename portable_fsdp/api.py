@@ -29,6 +29,7 @@ from portable_fsdp.config.schema import apply_override, command_line_text, load_
 from portable_fsdp.config.training_arguments import from_training_arguments
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import UserError
+from portable_fsdp.storage import remote as storage
 from portable_fsdp.training.callbacks import EarlyStopping, StopTraining
 from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.plan import ShardingPlan
@@ -128,10 +129,10 @@ def load(backend, state, path, config, backend_name: str | None = None):
 def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1, callbacks=()) -> dict | None:
     """Train as `python -m portable_fsdp.run` does, with `nproc` local processes (1: in this one; None: the
     command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
-    defaults to runs/train-<time>. `callbacks`: objects with any of on_step(state, metrics), on_eval(state,
-    metrics), on_save(state, path), called on rank 0; raising StopTraining ends the run with a checkpoint
-    (portable_fsdp.training.callbacks; EarlyStopping is one). Raises UserError on a bad setting, RunFailed when the
-    run fails after it started."""
+    (a directory, or s3://bucket/path or gs://bucket/path) defaults to runs/train-<time>. `callbacks`: objects
+    with any of on_step(state, metrics), on_eval(state, metrics), on_save(state, path), called on rank 0; raising
+    StopTraining ends the run with a checkpoint (portable_fsdp.training.callbacks; EarlyStopping is one). Raises
+    UserError on a bad setting, RunFailed when the run fails after it started."""
     from portable_fsdp.launch import launcher as launch
     from portable_fsdp.cli import default_workdir
 
@@ -139,7 +140,8 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     nproc = backends.load(name).default_nproc(name) if nproc is None else nproc
     if nproc < 1:
         raise UserError("nproc", f"must be at least 1 (got {nproc})")
-    workdir = pathlib.Path(workdir) if workdir else default_workdir("train")
+    workdir = storage.working_copy(workdir) if storage.is_url(workdir) else \
+        pathlib.Path(workdir) if workdir else default_workdir("train")
     try:
         return launch.start(config, name, workdir, nproc, callbacks=callbacks)
     except SystemExit as exit_:

@@ -19,6 +19,7 @@ from portable_fsdp.config.schema import (DEFAULT_RECIPE, apply_override, base_co
 from portable_fsdp.configs.hardware import launch_flags
 from portable_fsdp.errors import UserError, notify, print_notices_as_lines
 from portable_fsdp.machine import tpu_vm
+from portable_fsdp.storage import remote as storage
 from portable_fsdp.config.hf_import import apply_fsdp_file, apply_fsdp_option, apply_parallelism_config
 
 # Accelerate launch's ParallelismConfig flags (`accelerate launch --use_parallelism_config
@@ -35,7 +36,9 @@ def parse_args(argv):
                         help="auto = the recipe variant's, else xla on a TPU or when plan.xla is true, cuda when a "
                              "GPU is present, else cpu; xla = torch_xla; flax = JAX")
     parser.add_argument("--config", default=None, help=f"recipe file[:arg] (default: the bundled {DEFAULT_RECIPE})")
-    parser.add_argument("--workdir", default=None, help="where metrics and checkpoints go (default: runs/<recipe>-<time>)")
+    parser.add_argument("--workdir", default=None, help=("where metrics and checkpoints go: a directory, or "
+                                                         "s3://bucket/path or gs://bucket/path (default: "
+                                                         "runs/<recipe>-<time>)"))
     parser.add_argument("--nproc", type=int, default=None,
                         help="local worker processes (default: the recipe variant's, else 2 on CPU, #GPUs on CUDA)")
     parser.add_argument("--fsdp", default=None, metavar="OPTIONS",
@@ -124,7 +127,8 @@ def main(argv=None) -> int:
             raise UserError("--workdir", (f"{named}: {machines} needs --workdir, one directory every machine writes "
                                           "to (gs://bucket/run, or a shared mount): checkpoints hold every machine's "
                                           "files"))
-        workdir = pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
+        workdir = storage.working_copy(args.workdir) if storage.is_url(args.workdir) else \
+            pathlib.Path(args.workdir) if args.workdir else default_workdir(recipe)
         from portable_fsdp.launch import launcher as launch
 
         launch.start(config, backend, workdir, nproc, nodes)

@@ -34,3 +34,42 @@ def read_metrics(workdir):
 @pytest.fixture
 def test_recipe():
     return TEST_RECIPE
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto's) on a free local port for the whole session, reached as a user reaches
+    one: through AWS_ENDPOINT_URL and the credentials variables, which the runs' subprocesses inherit."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    settings = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    yield settings["AWS_ENDPOINT_URL"]
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, tmp_path, monkeypatch):
+    """A new, empty bucket on the session's server: its s3:// URL. Local working copies go under this test's
+    tmp_path."""
+    import uuid
+
+    import fsspec
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
+    monkeypatch.setenv("PORTABLE_FSDP_LOCAL_WORKDIRS", str(tmp_path / "local"))
+    return f"s3://{name}"

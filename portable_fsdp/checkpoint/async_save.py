@@ -41,9 +41,25 @@ def start(write, staging: pathlib.Path, rank: int, step: int, written: dict, pro
     _in_flight.append((thread, errors))
 
 
+def in_background(work, name: str) -> None:
+    """Run `work()` in a thread that `finish` waits for (a workdir in a bucket: rank 0's upload of a committed
+    checkpoint, so the training steps go on while it uploads)."""
+    errors: list = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as err:  # raised in the training thread by `finish`
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    _in_flight.append((thread, errors))
+
+
 def finish() -> None:
-    """Wait until the save in flight (if any) is written on this rank and, on rank 0, committed; its error, if
-    it had one, is raised here."""
+    """Wait until the save in flight (if any) is written on this rank and, on rank 0, committed (and uploaded);
+    its error, if it had one, is raised here."""
     while _in_flight:
         thread, errors = _in_flight.pop(0)
         thread.join()

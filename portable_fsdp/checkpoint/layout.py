@@ -207,7 +207,7 @@ def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pa
     os.rename(staging, final)
     _fsync(root(workdir))
     faults.check("commit.renamed", 0, step)
-    _point_latest(workdir, final.name)
+    point_latest(workdir, final.name)
     _prune(workdir, keep_last_n)
     return final
 
@@ -246,7 +246,7 @@ def _write_manifest_file(directory: pathlib.Path, info: dict, listing: dict) -> 
     _fsync(pathlib.Path(directory) / MANIFEST)
 
 
-def _point_latest(workdir: pathlib.Path, name: str) -> None:
+def point_latest(workdir: pathlib.Path, name: str) -> None:
     pointer = root(workdir) / "latest"
     tmp = pointer.with_suffix(".tmp")
     tmp.write_text(name + "\n")

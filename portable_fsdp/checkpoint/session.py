@@ -9,7 +9,7 @@ The training loop, the Python API (`portable_fsdp.save` / `portable_fsdp.load`) 
 all go through here. Each process writes its own files (`Backend.save_checkpoint`, `Backend.export_weights`: which
 files, portable_fsdp/checkpoint/files.py) into a staging directory and reports them, checksummed; rank 0 commits
 (portable_fsdp/checkpoint/layout.py: manifest last, then the rename and `latest`), so a half-written checkpoint is never
-taken for a complete one. With train.async_save the write and the commit finish in the background
+taken for a complete one; a workdir in a bucket then gets it uploaded, its manifest last (portable_fsdp/storage/sync.py). With train.async_save the write and the commit finish in the background
 (portable_fsdp/checkpoint/async_save.py). A resume verifies every file's size, then each process's share of the checksums
 while the checkpoint loads. Imports no framework.
 """
@@ -26,6 +26,7 @@ import threading
 
 from portable_fsdp.checkpoint import async_save, layout as checkpointing
 
+from portable_fsdp.storage import remote as storage, sync
 from portable_fsdp.training import faults
 from portable_fsdp.backend import Placement
 from portable_fsdp.data.batch import DATA_STATE
@@ -166,3 +167,8 @@ def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, k
     if info["state_dict_type"] == "FULL_STATE_DICT":
         info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
     checkpointing.commit(workdir, step, info, keep_last_n)
+    remote = storage.of(workdir)
+    if remote is not None:  # a workdir in a bucket: the commit there (portable_fsdp/storage/sync.py), while training
+        # goes on: no wait of the other ranks is bounded by the upload
+        async_save.in_background(functools.partial(sync.commit_checkpoint, remote, workdir, final, keep_last_n),
+                                 f"portable_fsdp-upload-{step}")

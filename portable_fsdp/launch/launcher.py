@@ -12,6 +12,7 @@ from portable_fsdp import backends
 from portable_fsdp.checkpoint import layout as checkpointing
 
 from portable_fsdp.launch import cluster, shared_workdir, workdir_lock
+from portable_fsdp.storage import lock as bucket_lock, remote as storage, sync
 from portable_fsdp.config.accelerate import LaunchSettings
 from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import UserError, notify
@@ -56,6 +57,11 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: wor
         probe.unlink()
     except OSError as err:
         raise UserError("--workdir", f"{workdir} is not writable ({err.strerror}); choose another directory") from None
+    remote = storage.of(workdir)
+    if remote is not None:  # the bucket is the workdir: its lock, its checkpoints (portable_fsdp/storage/sync.py)
+        if claim is not None and claim.lock is not None:
+            claim.hold(bucket_lock.acquire(remote))
+        sync.prepare(remote, workdir, resume)
     if not resume and (checkpointing.root(workdir) / "latest").exists():
         raise UserError("--workdir", (f"{workdir} already holds checkpoints; pass --config.train.resume=true to "
                                       "continue from them, or choose a new --workdir"))
@@ -76,7 +82,8 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
     130: interrupted, 1: anything else); a check that fails before any worker starts raises UserError.
     The process that owns the run holds WORKDIR/.lock until it returns (portable_fsdp.launch.workdir_lock)."""
     nodes = nodes or LaunchSettings()
-    if nodes.multi_node or tpu_vm.slice_workers()[1] > 1:  # an Accelerate YAML's machines, or a TPU slice's hosts
+    several_machines = nodes.multi_node or tpu_vm.slice_workers()[1] > 1  # a file's machines, or a slice's hosts
+    if several_machines and storage.of(workdir) is None:  # a bucket's working copy is local by design
         shared_workdir.warn_if_local(workdir)
     with workdir_lock.Claim(lambda: owns_workdir(nodes, backend_name)) as claim:
         claim.check(workdir)  # a live run refuses this start at once; `preflight` takes the lock
@@ -90,7 +97,12 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
             spec["config"] = config.to_dict()  # train.steps and data.tokenizer as the checks resolved them
             return plan
 
-        return backend.start_workers(config, spec, workdir, nproc, nodes, checks)
+        try:
+            return backend.start_workers(config, spec, workdir, nproc, nodes, checks)
+        finally:
+            remote = storage.of(workdir)
+            if remote is not None and claim.lock is not None:  # the run's records, however it ended
+                sync.push_records(remote, workdir)
 
 
 def owns_workdir(nodes: LaunchSettings, backend_name: str) -> bool | None:

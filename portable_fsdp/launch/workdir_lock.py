@@ -61,7 +61,7 @@ class Claim:
     the run (asked only then: on a TPU the answer needs the environment set up first); nothing otherwise."""
 
     def __init__(self, owner):
-        self._owner, self.lock = owner, None
+        self._owner, self.lock, self._also = owner, None, []
 
     def check(self, workdir: pathlib.Path) -> None:
         """Refuse at once, before the run's checks, when a live run holds `workdir` (see `check_free`)."""
@@ -72,7 +72,13 @@ class Claim:
         if self.lock is None and self._owner():
             self.lock = acquire(workdir)
 
+    def hold(self, lock) -> None:
+        """Release `lock` (a workdir in a bucket: its lock object) with this claim's own."""
+        self._also.append(lock)
+
     def release(self) -> None:
+        while self._also:
+            self._also.pop().release()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -143,10 +149,10 @@ def _holder_live(holder: dict, locked: bool | None, refreshed: float) -> bool:
         return time.time() - refreshed < STALE_S
     if locked:  # on this machine the kernel's word is final: its holder is gone
         return False
-    return holder.get("pid") != os.getpid() and _pid_alive(holder.get("pid"))
+    return holder.get("pid") != os.getpid() and pid_alive(holder.get("pid"))
 
 
-def _pid_alive(pid) -> bool:
+def pid_alive(pid) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

@@ -29,6 +29,14 @@ def test_quick_suite_writes_every_section():
         assert sent["all_gather"] + sent["reduce_scatter"] == pytest.approx(row["expected_bytes"], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_object_storage_benchmark_sets_each_save_and_resume_against_the_raw_transfer():
+    proc = run_python(["-m", "benchmarks.object_storage", "--quick"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| FULL", "| SHARDED"))]
+    assert len(rows) == 2
+
+
 @pytest.mark.parametrize("only, message", [("speed", "unknown section(s) ['speed']"), (",", "no section given")])
 def test_a_bad_section_list_is_a_one_line_error(only, message):
     proc = run_python(["-m", "benchmarks.run", "--only", only], timeout=60)

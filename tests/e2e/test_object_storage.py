@@ -1,0 +1,91 @@
+"""Runs whose workdir is a bucket (s3:// on the session's S3-compatible server, tests/conftest.py): saved,
+killed while a checkpoint is uploaded, and resumed from the bucket alone, with the losses of a run never stopped."""
+import json
+import shutil
+
+import pytest
+
+from portable_fsdp.storage import remote as storage, sync
+from tests.conftest import TEST_RECIPE, cli
+
+BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.save_every=5"]
+
+
+def run(url, tmp_path, *extra, fault=None):
+    return cli(BASE + ["--workdir", url, *extra], cwd=tmp_path, env={"PORTABLE_FSDP_FAULTS": fault or ""})
+
+
+def bucket_losses(url) -> dict:
+    lines = storage.open_remote(url).read_text("metrics.jsonl").splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def resumed_after_a_kill(url, tmp_path, fault, *extra):
+    """Killed at `fault`, the local working copy then lost (another machine resumes), resumed from the bucket."""
+    assert run(url, tmp_path, *extra, fault=fault).returncode != 0
+    bucket = storage.open_remote(url)
+    assert sync.committed(bucket)[-1] == "step_00000005"
+    assert bucket.read_text("checkpoints/latest").strip() == "step_00000005"
+    shutil.rmtree(storage.local_workdir(url))
+    proc = run(url, tmp_path, "--config.train.resume=true", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return bucket
+
+
+@pytest.mark.parametrize("fault", [
+    "kill@upload.files:rank=0:step=10",  # committed here, not yet in the bucket
+    pytest.param("kill@save.written:rank=1:step=10", marks=pytest.mark.slow),
+])
+def test_a_kill_during_an_upload_resumes_from_the_bucket_with_the_losses_of_an_uninterrupted_run(
+        bucket, tmp_path, fault):
+    straight = f"{bucket}/straight"
+    assert run(straight, tmp_path).returncode == 0
+    killed = resumed_after_a_kill(f"{bucket}/killed", tmp_path, fault)
+    assert bucket_losses(f"{bucket}/killed") == bucket_losses(straight)
+    assert sync.committed(killed)[-1] == "step_00000020"
+    leftovers = [n for n in killed.children("checkpoints") if n.startswith("step_")]
+    assert leftovers == sync.committed(killed)  # the half upload of step 10 was removed
+    assert sorted(p.name for p in (storage.local_workdir(straight) / "checkpoints").glob("step_*")) == \
+        ["step_00000020"]  # the local copy holds about one checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,extra", [
+    ("cpu", ["--config.plan.state_dict_type=SHARDED_STATE_DICT"]),
+    ("cpu", ["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.async_save=true"]),
+    ("xla", []),
+    ("flax", []),
+])
+def test_save_and_resume_through_a_bucket_on_every_backend_and_layout(bucket, tmp_path, backend, extra):
+    url, options = f"{bucket}/run", ["--backend", backend, *extra]
+    straight = run(f"{bucket}/straight", tmp_path, *options)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    # killed once the save before it is committed (a background one too): the bucket holds step 5
+    resumed_after_a_kill(url, tmp_path, "kill@save.staged:rank=0:step=10", *options)
+    assert bucket_losses(url) == bucket_losses(f"{bucket}/straight")
+
+
+def test_a_second_run_into_a_bucket_that_holds_checkpoints_is_refused(bucket, tmp_path):
+    bucket_run = storage.open_remote(f"{bucket}/run")
+    bucket_run.write_text("checkpoints/latest", "step_00000005\n")
+    proc = run(f"{bucket}/run", tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --workdir: {bucket}/run already holds checkpoints; pass --config.train.resume=true to continue "
+        "from them, or choose a new --workdir")
+
+
+@pytest.mark.parametrize("url,env,expected", [
+    ("s3://no-such-bucket/run", {}, "the bucket no-such-bucket does not exist; create it or choose another --workdir"),
+    ("s3://{bucket}/run", {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE":
+                           "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"},
+     "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"),
+    ("ftp://host/run", {}, "ftp:// is not a supported storage; use a local directory, s3://bucket/path or "
+     "gs://bucket/path"),
+])
+def test_an_unusable_bucket_is_one_line_before_any_worker_starts(bucket, tmp_path, url, env, expected):
+    url = url.format(bucket=bucket.removeprefix("s3://"))
+    proc = cli(BASE + ["--workdir", url], cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --workdir: {url}: {expected}"]
