@@ -181,9 +181,10 @@ def wait_for_reports(staging: pathlib.Path, count: int, timeout_s: float) -> Non
         time.sleep(0.05)
 
 
-def _gathered_listing(staging: pathlib.Path) -> dict:
-    """The ranks' reports merged, plus any file no rank reported (checksummed here); the reports removed."""
-    listing: dict = {}
+def _gathered_listing(staging: pathlib.Path, elsewhere: dict | None = None) -> dict:
+    """The ranks' reports merged (with `elsewhere`: those of ranks on other machines), plus any file here no rank
+    reported (checksummed here); the reports removed."""
+    listing: dict = dict(elsewhere or {})
     reports = staging / REPORTS
     for report in sorted(reports.glob("rank_*.json")) if reports.is_dir() else []:
         listing.update(json.loads(report.read_text()))
@@ -195,10 +196,12 @@ def _gathered_listing(staging: pathlib.Path) -> dict:
     return dict(sorted(listing.items()))
 
 
-def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int) -> pathlib.Path:
-    """Rank 0 only, after every rank has finished writing (and reporting) into the staging directory."""
+def commit(workdir: pathlib.Path, step: int, info: dict, keep_last_n: int, elsewhere: dict | None = None
+           ) -> pathlib.Path:
+    """Rank 0 only, after every rank has finished writing (and reporting) into the staging directory; `elsewhere`:
+    the reports of ranks whose files are on other machines (portable_fsdp/storage/sync.py), listed too."""
     staging = staging_dir(workdir, step)
-    _write_manifest_file(staging, {**info, "step": step}, _gathered_listing(staging))
+    _write_manifest_file(staging, {**info, "step": step}, _gathered_listing(staging, elsewhere))
     faults.check("commit.manifest", 0, step)
     final = root(workdir) / f"step_{step:08d}"
     if final.exists():  # this step is already saved and complete: keep it, never replace a valid one

@@ -34,6 +34,8 @@ from portable_fsdp.training import faults
 
 CHECKPOINTS = "checkpoints"
 PARALLEL_TRANSFERS = 8
+# A rate every training machine's link to its bucket exceeds: waits on uploading N bytes allow N / this.
+UPLOAD_BYTES_PER_S = 25e6
 _NOT_RECORDS = {CHECKPOINTS, MARKER, ".lock"}  # what `push_records` leaves alone
 _NOT_SYNCED = (".tmp-", ".old-", ".write-test")  # half-written or passing files
 
@@ -54,18 +56,21 @@ def committed(remote: Remote) -> list:
     return [n for n in names if checkpointing.MANIFEST in remote.children(f"{CHECKPOINTS}/{n}")]
 
 
-def commit_checkpoint(remote: Remote, workdir: pathlib.Path, final: pathlib.Path, keep_last_n: int) -> None:
-    """Rank 0, once `final` is committed locally: upload it, manifest.json last, then `best` and `latest`; remove
-    leftovers of killed uploads, checkpoints beyond `keep_last_n` in the bucket and older local copies."""
+def commit_checkpoint(remote: Remote, workdir: pathlib.Path, final: pathlib.Path, keep_last_n: int,
+                      uploaded: frozenset = frozenset()) -> None:
+    """Rank 0, once `final` is committed locally: upload it (but the files other machines `uploaded`),
+    manifest.json last, then `best` and `latest`; remove leftovers of killed uploads, checkpoints beyond
+    `keep_last_n` in the bucket and older local copies."""
     prefix, step = f"{CHECKPOINTS}/{final.name}", _step_of(final.name)
     done = committed(remote)
-    for leftover in set(n for n in remote.children(CHECKPOINTS) if n.startswith("step_")) - set(done):
+    for leftover in set(n for n in remote.children(CHECKPOINTS) if n.startswith("step_")) - {*done, final.name}:
         remote.remove(f"{CHECKPOINTS}/{leftover}")
     if final.name not in done:
-        listed = checkpointing.read_manifest(final)["files"]
-        _transfer_all(remote.put, [(final / name, f"{prefix}/{name}") for name in listed])
+        listed = set(checkpointing.read_manifest(final)["files"]) - uploaded
+        _transfer_all(remote.put, [(final / name, f"{prefix}/{name}") for name in sorted(listed)])
         faults.check("upload.files", 0, step)
         remote.put(final / checkpointing.MANIFEST, f"{prefix}/{checkpointing.MANIFEST}")
+        remote.remove(f"{prefix}/{checkpointing.REPORTS}")  # the other machines', now in the manifest
         done.append(final.name)
     for pointer in ("best", "latest"):
         if (checkpointing.root(workdir) / pointer).exists():
@@ -81,6 +86,41 @@ def commit_checkpoint(remote: Remote, workdir: pathlib.Path, final: pathlib.Path
     push_records(remote, workdir)
 
 
+def upload_timeout_s(n_params: int, floor_s: float) -> float:
+    """How long the processes wait for the other machines' uploads of a save (one machine may hold all the
+    bytes): the same number on every process, as checkpointing.wait_bound_s."""
+    return floor_s + checkpointing.checkpoint_bytes(n_params) / UPLOAD_BYTES_PER_S
+
+
+def machine_ranks(staging: pathlib.Path) -> list:
+    """The ranks that reported into this local copy's staging directory: the ranks of this machine."""
+    return sorted(int(p.stem.removeprefix("rank_")) for p in (staging / checkpointing.REPORTS).glob("rank_*.json"))
+
+
+def upload_machine_share(remote: Remote, staging: pathlib.Path, step_name: str) -> None:
+    """A machine other than rank 0's, its first rank: the files its ranks reported into the bucket's uncommitted
+    <url>/checkpoints/step_N/, then their reports (a report there means its files are)."""
+    prefix, reports = f"{CHECKPOINTS}/{step_name}", staging / checkpointing.REPORTS
+    names = [name for rank in machine_ranks(staging) for name in json.loads(reports.joinpath(
+        f"rank_{rank:05d}.json").read_text())]
+    _transfer_all(remote.put, [(staging / name, f"{prefix}/{name}") for name in names])
+    _transfer_all(remote.put, [(report, f"{prefix}/{checkpointing.REPORTS}/{report.name}")
+                               for report in sorted(reports.glob("rank_*.json"))])
+
+
+def gather_reports(remote: Remote, step_name: str, ranks: list) -> dict:
+    """Rank 0, once the other machines uploaded their shares: the reports of `ranks` from the bucket, merged
+    ({path: checksum entry}); one line naming the ranks whose report is not there."""
+    prefix = f"{CHECKPOINTS}/{step_name}/{checkpointing.REPORTS}"
+    texts = {rank: remote.read_text(f"{prefix}/rank_{rank:05d}.json") for rank in ranks}
+    missing = [rank for rank, text in texts.items() if text is None]
+    if missing:
+        raise UserError("--workdir", f"rank(s) {missing} did not upload their part of {step_name} to "
+                        f"{remote.url}/{CHECKPOINTS}/{step_name}/ (their machine's error says why); check that "
+                        "every machine can write to the bucket")
+    return {name: entry for text in texts.values() for name, entry in json.loads(text).items()}
+
+
 def pull_latest(remote: Remote, workdir: pathlib.Path) -> str | None:
     """Before any worker starts: make the local copy hold the bucket's newest complete checkpoint (and the best
     one) and point `latest` at it. Returns its name; None when the bucket holds none."""
@@ -94,6 +134,8 @@ def pull_latest(remote: Remote, workdir: pathlib.Path) -> str | None:
     for newer in root.glob("step_*"):  # committed here by a run killed before its upload: the bucket decides
         if _step_of(newer.name) > _step_of(name):
             shutil.rmtree(newer)
+    for staged in root.glob(".tmp-step_*"):  # a killed save's, on a machine where no rank 0 clears them
+        shutil.rmtree(staged)
     if best:
         (root / "best").write_text(best)
     checkpointing.point_latest(workdir, name)
@@ -107,7 +149,7 @@ def _pull_checkpoint(remote: Remote, workdir: pathlib.Path, name: str) -> None:
         raise UserError("train.resume", f"{remote.url}/{CHECKPOINTS}/latest names {name}, which has no "
                         f"{checkpointing.MANIFEST}; remove that pointer or resume from another workdir")
     local = checkpointing.root(workdir) / name
-    if (local / checkpointing.MANIFEST).is_file() and (local / checkpointing.MANIFEST).read_text() == manifest:
+    if _holds(local, manifest):
         return  # this copy committed it (the workers verify its checksums)
     download = local.with_name(f".tmp-download-{name}")
     shutil.rmtree(download, ignore_errors=True)
@@ -115,6 +157,15 @@ def _pull_checkpoint(remote: Remote, workdir: pathlib.Path, name: str) -> None:
     (download / checkpointing.MANIFEST).write_text(manifest)
     shutil.rmtree(local, ignore_errors=True)
     download.rename(local)
+
+
+def _holds(local: pathlib.Path, manifest: str) -> bool:
+    """Whether the local copy holds the checkpoint `manifest` describes: that manifest and every file it lists at
+    its size (the copy of the machine that committed it lacks the files the other machines wrote)."""
+    if not (local / checkpointing.MANIFEST).is_file() or (local / checkpointing.MANIFEST).read_text() != manifest:
+        return False
+    return all((local / name).is_file() and (local / name).stat().st_size == entry["bytes"]
+               for name, entry in json.loads(manifest)["files"].items())
 
 
 def prepare(remote: Remote, workdir: pathlib.Path, resume: bool) -> None:
