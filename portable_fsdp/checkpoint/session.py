@@ -58,8 +58,12 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int = 0
     if is_main:
         checkpointing.prepare_staging(workdir, state.step)
     backend.barrier(state, timeout_s=timeout)
+    remote = storage.of(workdir)
+    apart = remote is not None and _on_several_machines(backend, state, staging)
     faults.check("save.staged", where.rank, state.step)
     result = backend.save_checkpoint(state, staging)
+    if apart and isinstance(result, concurrent.futures.Future):  # each machine uploads its files before the commit
+        result = result.result()
     in_background = result if isinstance(result, concurrent.futures.Future) else None  # train.async_save
     written = dict((None if in_background else result) or {})
     if is_main:  # what pipeline("text-generation", model=<checkpoint>) needs besides the model
@@ -75,10 +79,52 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int = 0
     checkpointing.write_report(staging, where.rank, written)
     faults.check("save.written", where.rank, state.step)
     backend.barrier(state, timeout_s=timeout)
-    if commit:
+    if apart:
+        _commit_across_machines(backend, state, remote, staging, final, commit,
+                                info["config"]["train"]["collective_timeout_s"])
+    elif commit:
         commit()
     backend.barrier(state, timeout_s=timeout)
     return final
+
+
+def _on_several_machines(backend, state, staging: pathlib.Path) -> bool:
+    """Every process, once rank 0 has made the staging directory: whether some process's local working copy lacks
+    it (machines that share no disk, each with its own copy of a bucket's workdir); made there."""
+    if backend.placement(state).processes == 1:
+        return False
+    unseen = not staging.is_dir()
+    staging.mkdir(parents=True, exist_ok=True)
+    return backend.any_rank(state, unseen)
+
+
+def _commit_across_machines(backend, state, remote, staging: pathlib.Path, final: pathlib.Path, commit,
+                            train_floor_s: float) -> None:
+    """Every process, once each has reported into its machine's staging directory (portable_fsdp/storage/sync.py):
+    each machine but rank 0's uploads its ranks' files and reports, while the others wait; then rank 0 reads their
+    reports from the bucket and commits (its own files and the manifest uploaded last, in the background). A
+    machine whose upload failed, or whose reports are missing, fails the save on every process."""
+    where, here = backend.placement(state), sync.machine_ranks(staging)
+    uploads, problem, elsewhere = where.rank == here[0] and 0 not in here, None, None
+    if uploads:
+        try:
+            sync.upload_machine_share(remote, staging, final.name)
+        except Exception as err:
+            problem = UserError("--workdir", f"the machine of rank(s) {here} could not upload its part of "
+                                f"{final.name} to {remote.url}: {err}")
+    backend.barrier(state, timeout_s=sync.upload_timeout_s(backend.model_info(state).n_params, train_floor_s))
+    if where.rank == 0:
+        try:
+            elsewhere = sync.gather_reports(remote, final.name, [r for r in range(where.processes) if r not in here])
+        except UserError as err:
+            problem = err
+    if backend.any_rank(state, problem is not None):
+        raise problem or UserError("--workdir", f"the save of {final.name} failed on another machine (its error, "
+                                   "or rank 0's, names it)")
+    if uploads:  # the bucket holds this machine's part now
+        shutil.rmtree(staging)
+    if commit:
+        commit(elsewhere=elsewhere)
 
 
 def export(backend, state, workdir: pathlib.Path, info: dict) -> pathlib.Path:
@@ -160,15 +206,17 @@ def _io_timeout(backend, state, train) -> float:
 
 
 def _commit(workdir: pathlib.Path, final: pathlib.Path, step: int, info: dict, keep_last_n: int,
-            best: dict | None) -> None:
-    """Rank 0, once every rank has written and reported its files."""
+            best: dict | None, elsewhere: dict | None = None) -> None:
+    """Rank 0, once every rank has written and reported its files; `elsewhere`: the reports of the ranks on other
+    machines, whose files are in the bucket already."""
     if best:  # before the commit prunes, so the new best is spared
         checkpointing.mark_best(workdir, final, best)
     if info["state_dict_type"] == "FULL_STATE_DICT":
         info = {**info, "weights_dtype": info["config"]["train"]["save_dtype"]}
-    checkpointing.commit(workdir, step, info, keep_last_n)
+    checkpointing.commit(workdir, step, info, keep_last_n, elsewhere)
     remote = storage.of(workdir)
     if remote is not None:  # a workdir in a bucket: the commit there (portable_fsdp/storage/sync.py), while training
         # goes on: no wait of the other ranks is bounded by the upload
-        async_save.in_background(functools.partial(sync.commit_checkpoint, remote, workdir, final, keep_last_n),
+        async_save.in_background(functools.partial(sync.commit_checkpoint, remote, workdir, final, keep_last_n,
+                                                   frozenset(elsewhere or ())),
                                  f"portable_fsdp-upload-{step}")
