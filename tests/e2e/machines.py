@@ -41,9 +41,9 @@ def start(args, env: dict | None = None):
                             env={**os.environ, "USE_TORCH_XLA": "0", **ENV, **(env or {})})
 
 
-def run_together(commands: list, timeout: float = 400) -> list:
-    """Start every (args, environment) of `commands` at once, as each machine starts its own; all must exit 0.
-    Returns their (stdout, stderr); every process group is killed on a timeout."""
+def run_together(commands: list, timeout: float = 400, succeed: bool = True) -> list:
+    """Start every (args, environment) of `commands` at once, as each machine starts its own; all must exit 0
+    (with `succeed`). Returns their (stdout, stderr); every process group is killed on a timeout."""
     procs = [start(args, env) for args, env in commands]
     try:
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
@@ -52,5 +52,5 @@ def run_together(commands: list, timeout: float = 400) -> list:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.returncode == 0 or not succeed, err[-3000:]
     return outputs

@@ -5,8 +5,12 @@ import shutil
 
 import pytest
 
+from benchmarks.common import free_port, run_python
+from portable_fsdp.checkpoint import layout as checkpointing
 from portable_fsdp.storage import remote as storage, sync
 from tests.conftest import TEST_RECIPE, cli
+from tests.e2e.machines import ARGS, ENV, run_together
+from tests.unit.test_cluster import slurm_step
 
 BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.save_every=5"]
 
@@ -89,3 +93,32 @@ def test_an_unusable_bucket_is_one_line_before_any_worker_starts(bucket, tmp_pat
     proc = cli(BASE + ["--workdir", url], cwd=tmp_path, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: --workdir: {url}: {expected}"]
+
+
+def on_two_machines(url, tmp_path, *extra, fault=None) -> None:
+    """`srun --nodes 2 --ntasks-per-node 1 python ARGS --nproc 1 --workdir URL` on two nodes stood on this machine,
+    each with its own local working copy (no disk shared): killed by `fault`, else both must exit 0."""
+    port = str(free_port())
+    run_together([([*ARGS, "--nproc", "1", "--workdir", url, *extra],
+                   {**slurm_step(2, 1, node, nodelist="localhost,127.0.0.1", MASTER_PORT=port),
+                    "PORTABLE_FSDP_LOCAL_WORKDIRS": str(tmp_path / f"machine_{node}"),
+                    "PORTABLE_FSDP_FAULTS": fault or ""}) for node in range(2)], succeed=fault is None)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT"], marks=pytest.mark.slow),
+])
+def test_two_machines_that_share_no_disk_save_and_resume_through_the_bucket(bucket, tmp_path, extra):
+    url, options = f"{bucket}/run", ["--config.train.save_every=3", *extra]
+    straight = run_python([*ARGS, "--nproc", "2", "--workdir", f"{bucket}/straight", *options], 300, ENV)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    on_two_machines(url, tmp_path, *options, fault="kill@save.staged:rank=0:step=6")
+    remote = storage.open_remote(url)
+    assert sync.committed(remote) == ["step_00000003"]
+    listed = json.loads(remote.read_text(f"checkpoints/step_00000003/{checkpointing.MANIFEST}"))["files"]
+    assert {"rng/rank_00000.pt", "rng/rank_00001.pt"} <= set(listed)  # one from each machine
+    assert set(listed) <= set(remote.sizes("checkpoints/step_00000003"))
+    on_two_machines(url, tmp_path, "--config.train.resume=true", *options)
+    assert bucket_losses(url) == bucket_losses(f"{bucket}/straight")
+    assert sync.committed(remote)[-1] == "step_00000006"
