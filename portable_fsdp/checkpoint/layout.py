@@ -222,11 +222,12 @@ def export_staging(workdir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(workdir) / f".tmp-{EXPORT}"
 
 
-def commit_export(workdir: pathlib.Path, info: dict) -> pathlib.Path:
-    """Rank 0 only, once every rank has written and reported its files into `export_staging`: the manifest,
-    then the rename to <workdir>/export (an earlier export moved aside first, removed after)."""
+def commit_export(workdir: pathlib.Path, info: dict, elsewhere: dict | None = None) -> pathlib.Path:
+    """Rank 0 only, once every rank has written and reported its files into `export_staging`: the manifest (listing
+    `elsewhere`'s files too, as `commit`), then the rename to <workdir>/export (an earlier export moved aside first,
+    removed after)."""
     staging, final = export_staging(workdir), pathlib.Path(workdir) / EXPORT
-    _write_manifest_file(staging, info, _gathered_listing(staging))
+    _write_manifest_file(staging, info, _gathered_listing(staging, elsewhere))
     old = final.with_name(f".old-{EXPORT}")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

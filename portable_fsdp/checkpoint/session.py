@@ -9,9 +9,10 @@ The training loop, the Python API (`portable_fsdp.save` / `portable_fsdp.load`) 
 all go through here. Each process writes its own files (`Backend.save_checkpoint`, `Backend.export_weights`: which
 files, portable_fsdp/checkpoint/files.py) into a staging directory and reports them, checksummed; rank 0 commits
 (portable_fsdp/checkpoint/layout.py: manifest last, then the rename and `latest`), so a half-written checkpoint is never
-taken for a complete one; a workdir in a bucket then gets it uploaded, its manifest last (portable_fsdp/storage/sync.py). With train.async_save the write and the commit finish in the background
-(portable_fsdp/checkpoint/async_save.py). A resume verifies every file's size, then each process's share of the checksums
-while the checkpoint loads. Imports no framework.
+taken for a complete one; a workdir in a bucket then gets it uploaded, its manifest last, after the files of machines
+that share no disk, each uploaded by its own machine (portable_fsdp/storage/sync.py). With train.async_save the write
+and the commit finish in the background (portable_fsdp/checkpoint/async_save.py). A resume verifies every file's
+size, then each process's share of the checksums while the checkpoint loads. Imports no framework.
 """
 from __future__ import annotations
 
@@ -79,11 +80,10 @@ def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int = 0
     checkpointing.write_report(staging, where.rank, written)
     faults.check("save.written", where.rank, state.step)
     backend.barrier(state, timeout_s=timeout)
-    if apart:
-        _commit_across_machines(backend, state, remote, staging, final, commit,
-                                info["config"]["train"]["collective_timeout_s"])
-    elif commit:
-        commit()
+    elsewhere = _parts_across_machines(backend, state, remote, staging, f"{sync.CHECKPOINTS}/{final.name}",
+                                       info["config"]["train"]["collective_timeout_s"]) if apart else None
+    if commit:  # rank 0's own files and the manifest are uploaded last, in the background
+        commit(elsewhere=elsewhere)
     backend.barrier(state, timeout_s=timeout)
     return final
 
@@ -98,55 +98,58 @@ def _on_several_machines(backend, state, staging: pathlib.Path) -> bool:
     return backend.any_rank(state, unseen)
 
 
-def _commit_across_machines(backend, state, remote, staging: pathlib.Path, final: pathlib.Path, commit,
-                            train_floor_s: float) -> None:
+def _parts_across_machines(backend, state, remote, staging: pathlib.Path, prefix: str, floor_s: float) -> dict:
     """Every process, once each has reported into its machine's staging directory (portable_fsdp/storage/sync.py):
-    each machine but rank 0's uploads its ranks' files and reports, while the others wait; then rank 0 reads their
-    reports from the bucket and commits (its own files and the manifest uploaded last, in the background). A
-    machine whose upload failed, or whose reports are missing, fails the save on every process."""
+    each machine but rank 0's uploads its ranks' files and reports into the bucket's `prefix` while the others
+    wait; rank 0 reads those reports back. A machine whose upload failed, or whose reports are missing, fails on
+    every process. Returns, on rank 0, the other machines' reports ({path: checksum entry}) for its manifest."""
     where, here = backend.placement(state), sync.machine_ranks(staging)
-    uploads, problem, elsewhere = where.rank == here[0] and 0 not in here, None, None
+    uploads, problem, elsewhere = where.rank == here[0] and 0 not in here, None, {}
     if uploads:
         try:
-            sync.upload_machine_share(remote, staging, final.name)
+            sync.upload_machine_share(remote, staging, prefix)
         except Exception as err:
-            problem = UserError("--workdir", f"the machine of rank(s) {here} could not upload its part of "
-                                f"{final.name} to {remote.url}: {err}")
-    backend.barrier(state, timeout_s=sync.upload_timeout_s(backend.model_info(state).n_params, train_floor_s))
+            problem = UserError("--workdir", f"the machine of rank(s) {here} could not upload its part of {prefix} "
+                                f"to {remote.url}: {err}")
+    backend.barrier(state, timeout_s=sync.upload_timeout_s(backend.model_info(state).n_params, floor_s))
     if where.rank == 0:
         try:
-            elsewhere = sync.gather_reports(remote, final.name, [r for r in range(where.processes) if r not in here])
+            elsewhere = sync.gather_reports(remote, prefix, [r for r in range(where.processes) if r not in here])
         except UserError as err:
             problem = err
     if backend.any_rank(state, problem is not None):
-        raise problem or UserError("--workdir", f"the save of {final.name} failed on another machine (its error, "
-                                   "or rank 0's, names it)")
+        raise problem or UserError("--workdir", f"saving {prefix} failed on another machine (its error, or rank "
+                                   "0's, names it)")
     if uploads:  # the bucket holds this machine's part now
         shutil.rmtree(staging)
-    if commit:
-        commit(elsewhere=elsewhere)
+    return elsewhere
 
 
 def export(backend, state, workdir: pathlib.Path, info: dict) -> pathlib.Path:
     """Every process (train.export_full_at_end): the model as a FULL checkpoint holds it, without optimizer state,
     into <workdir>/export; staged, reported and renamed as a save is, with a manifest (checkpointing.commit_export).
     Returns <workdir>/export."""
-    rank = backend.placement(state).rank
+    rank, remote = backend.placement(state).rank, storage.of(workdir)
     timeout = _io_timeout(backend, state, info["config"]["train"])
     staging = checkpointing.export_staging(workdir)
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
+        if remote is not None:  # the export in the bucket is incomplete from now until its new manifest is there
+            remote.remove(f"{checkpointing.EXPORT}/{checkpointing.MANIFEST}")
     backend.barrier(state, timeout_s=timeout)
+    apart = remote is not None and _on_several_machines(backend, state, staging)
     written = dict(backend.export_weights(state, staging))
     if rank == 0:
         written.update(save_for_generation(info["config"]["data"]["tokenizer"], staging))
     checkpointing.write_report(staging, rank, written)
     backend.barrier(state, timeout_s=timeout)
-    if rank == 0:
+    elsewhere = _parts_across_machines(backend, state, remote, staging, checkpointing.EXPORT,
+                                       info["config"]["train"]["collective_timeout_s"]) if apart else None
+    if rank == 0:  # a bucket gets rank 0's files and the manifest with the run's records (sync.push_records)
         checkpointing.commit_export(workdir, {**info, "state_dict_type": "FULL_STATE_DICT",
                                               "step": state.step, "export": True,
-                                              "weights_dtype": info["config"]["train"]["save_dtype"]})
+                                              "weights_dtype": info["config"]["train"]["save_dtype"]}, elsewhere)
     backend.barrier(state, timeout_s=timeout)
     return pathlib.Path(workdir) / checkpointing.EXPORT
 

@@ -15,7 +15,7 @@ that report into one copy's staging directory, whichever backend numbers them): 
 missing from some rank's copy, which every rank learns through one `any_rank` (portable_fsdp/checkpoint/session.py).
 Each rank writes and reports into its own machine's copy as usual; then each machine but rank 0's has its first
 rank upload the files its ranks reported, then their reports, into the uncommitted <url>/checkpoints/step_N/
-(`upload_machine_share`: a report there means its files are), while every rank waits at a barrier bounded by
+(`upload_machine_share`: a report there means its files are; train.export_full_at_end's export/ alike), while every rank waits at a barrier bounded by
 `upload_timeout_s` (the bytes at a conservative UPLOAD_BYTES_PER_S, plus train.collective_timeout_s). Rank 0 reads
 their reports from the bucket (`gather_reports`), commits locally with a manifest that lists every file (its copy
 lacks the other machines' files) and uploads its own files, then the manifest, as above. A failed upload or a
@@ -85,7 +85,6 @@ def commit_checkpoint(remote: Remote, workdir: pathlib.Path, final: pathlib.Path
         _transfer_all(remote.put, [(final / name, f"{prefix}/{name}") for name in sorted(listed)])
         faults.check("upload.files", 0, step)
         remote.put(final / checkpointing.MANIFEST, f"{prefix}/{checkpointing.MANIFEST}")
-        remote.remove(f"{prefix}/{checkpointing.REPORTS}")  # the other machines', now in the manifest
         done.append(final.name)
     for pointer in ("best", "latest"):
         if (checkpointing.root(workdir) / pointer).exists():
@@ -112,10 +111,10 @@ def machine_ranks(staging: pathlib.Path) -> list:
     return sorted(int(p.stem.removeprefix("rank_")) for p in (staging / checkpointing.REPORTS).glob("rank_*.json"))
 
 
-def upload_machine_share(remote: Remote, staging: pathlib.Path, step_name: str) -> None:
+def upload_machine_share(remote: Remote, staging: pathlib.Path, prefix: str) -> None:
     """A machine other than rank 0's, its first rank: the files its ranks reported into the bucket's uncommitted
-    <url>/checkpoints/step_N/, then their reports (a report there means its files are)."""
-    prefix, reports = f"{CHECKPOINTS}/{step_name}", staging / checkpointing.REPORTS
+    `prefix` (checkpoints/step_N, export), then their reports (a report there means its files are)."""
+    reports = staging / checkpointing.REPORTS
     names = [name for rank in machine_ranks(staging) for name in json.loads(reports.joinpath(
         f"rank_{rank:05d}.json").read_text())]
     _transfer_all(remote.put, [(staging / name, f"{prefix}/{name}") for name in names])
@@ -123,16 +122,17 @@ def upload_machine_share(remote: Remote, staging: pathlib.Path, step_name: str) 
                                for report in sorted(reports.glob("rank_*.json"))])
 
 
-def gather_reports(remote: Remote, step_name: str, ranks: list) -> dict:
-    """Rank 0, once the other machines uploaded their shares: the reports of `ranks` from the bucket, merged
-    ({path: checksum entry}); one line naming the ranks whose report is not there."""
-    prefix = f"{CHECKPOINTS}/{step_name}/{checkpointing.REPORTS}"
-    texts = {rank: remote.read_text(f"{prefix}/rank_{rank:05d}.json") for rank in ranks}
+def gather_reports(remote: Remote, prefix: str, ranks: list) -> dict:
+    """Rank 0, once the other machines uploaded their shares into `prefix`: the reports of `ranks`, merged
+    ({path: checksum entry}) and removed from the bucket; one line naming the ranks whose report is not there."""
+    reports = f"{prefix}/{checkpointing.REPORTS}"
+    texts = {rank: remote.read_text(f"{reports}/rank_{rank:05d}.json") for rank in ranks}
     missing = [rank for rank, text in texts.items() if text is None]
     if missing:
-        raise UserError("--workdir", f"rank(s) {missing} did not upload their part of {step_name} to "
-                        f"{remote.url}/{CHECKPOINTS}/{step_name}/ (their machine's error says why); check that "
-                        "every machine can write to the bucket")
+        raise UserError("--workdir", f"rank(s) {missing} did not upload their part of {prefix} to "
+                        f"{remote.url}/{prefix}/ (their machine's error says why); check that every machine can "
+                        "write to the bucket")
+    remote.remove(reports)
     return {name: entry for text in texts.values() for name, entry in json.loads(text).items()}
 
 

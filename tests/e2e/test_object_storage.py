@@ -107,7 +107,8 @@ def on_two_machines(url, tmp_path, *extra, fault=None) -> None:
 
 @pytest.mark.parametrize("extra", [
     [],
-    pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT"], marks=pytest.mark.slow),
+    pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true"],
+                 marks=pytest.mark.slow),
 ])
 def test_two_machines_that_share_no_disk_save_and_resume_through_the_bucket(bucket, tmp_path, extra):
     url, options = f"{bucket}/run", ["--config.train.save_every=3", *extra]
@@ -122,3 +123,6 @@ def test_two_machines_that_share_no_disk_save_and_resume_through_the_bucket(buck
     on_two_machines(url, tmp_path, "--config.train.resume=true", *options)
     assert bucket_losses(url) == bucket_losses(f"{bucket}/straight")
     assert sync.committed(remote)[-1] == "step_00000006"
+    if "--config.train.export_full_at_end=true" in extra:
+        exported = json.loads(remote.read_text(f"{checkpointing.EXPORT}/{checkpointing.MANIFEST}"))["files"]
+        assert set(exported) <= set(remote.sizes(checkpointing.EXPORT))
