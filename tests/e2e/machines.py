@@ -1,6 +1,6 @@
 """What the tests that stand several machines on this one share: the training command they run, one process
-started per "machine" (its own environment, all in one shared workdir as machines share a disk), and what a run
-leaves to compare (metrics, files)."""
+started per "machine" (its own environment; one shared workdir as machines sharing a disk, or a bucket with a local
+copy each), and what a run leaves to compare (metrics, files)."""
 import contextlib
 import json
 import os

@@ -1,5 +1,6 @@
 """Runs whose workdir is a bucket (s3:// on the session's S3-compatible server, tests/conftest.py): saved,
-killed while a checkpoint is uploaded, and resumed from the bucket alone, with the losses of a run never stopped."""
+killed while a checkpoint is uploaded, and resumed from the bucket alone, with the losses of a run never stopped; on
+one machine and on two that share no disk."""
 import json
 import shutil
 
