@@ -13,17 +13,18 @@ disk holds about one checkpoint; the bucket keeps train.keep_last_n of them.
 Machines that share no disk (a TPU slice's hosts, SLURM nodes, each with its own local copy; a machine is the ranks
 that report into one copy's staging directory, whichever backend numbers them): rank 0's staging directory is then
 missing from some rank's copy, which every rank learns through one `any_rank` (portable_fsdp/checkpoint/session.py).
-Each rank writes and reports into its own machine's copy as usual; then each machine but rank 0's has its first
-rank upload the files its ranks reported, then their reports, into the uncommitted <url>/checkpoints/step_N/
-(`upload_machine_share`: a report there means its files are; train.export_full_at_end's export/ alike), while every rank waits at a barrier bounded by
-`upload_timeout_s` (the bytes at a conservative UPLOAD_BYTES_PER_S, plus train.collective_timeout_s). Rank 0 reads
-their reports from the bucket (`gather_reports`), commits locally with a manifest that lists every file (its copy
-lacks the other machines' files) and uploads its own files, then the manifest, as above. A failed upload or a
-missing report fails the save on every rank, the failing machine's error and rank 0's naming the ranks. These
-uploads are synchronous: the manifest may be written only once every machine's files are in the bucket, rank 0
-learns that through a collective, and only the training thread runs collectives; rank 0's own upload stays in the
-background, and a train.async_save write is waited for before the machines upload. A resume downloads the whole checkpoint into every machine's copy (`_holds`: rank 0's copy holds its
-manifest but not the other machines' files); fetching only the files a machine's ranks read would save that.
+Each rank writes and reports into its own machine's copy as usual; then each machine but rank 0's has its first rank
+upload the files its ranks reported, then their reports, into the uncommitted <url>/checkpoints/step_N/
+(`upload_machine_share`: a report there means its files are; train.export_full_at_end's export/ alike), while every
+rank waits at a barrier bounded by `upload_timeout_s` (the bytes at a conservative UPLOAD_BYTES_PER_S, plus
+train.collective_timeout_s). Rank 0 reads their reports from the bucket (`gather_reports`), commits locally with a
+manifest that lists every file (its copy lacks the other machines' files) and uploads its own files, then the
+manifest, as above. A failed upload or a missing report fails the save on every rank, the failing machine's error
+and rank 0's naming the ranks. These uploads are synchronous: the manifest may be written only once every machine's
+files are in the bucket, rank 0 learns that through a collective, and only the training thread runs collectives;
+rank 0's own upload stays in the background, and a train.async_save write is waited for before the machines upload.
+A resume downloads the whole checkpoint into every machine's copy (`_holds`: rank 0's copy holds its manifest but
+not the other machines' files); fetching only the files a machine's ranks read would save that.
 
 The trade-off against writing straight into the bucket (dcp's fsspec writer, orbax's GCS support): every backend's
 writers, checksums and atomic local commit stay as they are, at the cost of one checkpoint of local disk and an
@@ -31,9 +32,9 @@ upload after the write.
 
 A resume (`pull_latest`, before any worker starts) reads `latest` from the bucket, checks its manifest is there and
 downloads the checkpoint unless the local copy holds it already (its manifest and every file listed), in every
-machine's launcher; the workers then verify sizes and checksums as
-for any checkpoint. The run's records (metrics.jsonl, the plot inputs, trackers' files, export/) are uploaded at
-each save and when the run ends (`push_records`). Imports no framework.
+machine's launcher; the workers then verify sizes and checksums as for any checkpoint. The run's records
+(metrics.jsonl, the plot inputs, trackers' files, export/) are uploaded at each save and when the run ends
+(`push_records`). Imports no framework.
 """
 from __future__ import annotations
 
