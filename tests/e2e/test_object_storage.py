@@ -110,6 +110,8 @@ def on_two_machines(url, tmp_path, *extra, fault=None) -> None:
     [],
     pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true"],
                  marks=pytest.mark.slow),
+    pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.async_save=true"],
+                 marks=pytest.mark.slow),
 ])
 def test_two_machines_that_share_no_disk_save_and_resume_through_the_bucket(bucket, tmp_path, extra):
     url, options = f"{bucket}/run", ["--config.train.save_every=3", *extra]
