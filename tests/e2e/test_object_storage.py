@@ -10,7 +10,7 @@ from benchmarks.common import free_port, run_python
 from portable_fsdp.checkpoint import layout as checkpointing
 from portable_fsdp.storage import remote as storage, sync
 from tests.conftest import TEST_RECIPE, cli
-from tests.e2e.machines import ARGS, ENV, run_together
+from tests.e2e.machines import ARGS, ENV, losses, run_together
 from tests.unit.test_cluster import slurm_step
 
 BASE = ["--config", TEST_RECIPE, "--config.train.log_every=1", "--config.train.save_every=5"]
@@ -125,6 +125,10 @@ def test_two_machines_that_share_no_disk_save_and_resume_through_the_bucket(buck
     assert set(listed) <= set(remote.sizes("checkpoints/step_00000003"))
     on_two_machines(url, tmp_path, "--config.train.resume=true", *options)
     assert bucket_losses(url) == bucket_losses(f"{bucket}/straight")
+    machine_0 = tmp_path / "machine_0" / url.replace("://", "/")  # its local copy, which rank 0's records are in
+    resumed = {step: rest for step, *rest in losses(machine_0)}  # the steps run again after the kill replace theirs
+    assert list(resumed.items()) == [(step, rest) for step, *rest in losses(storage.local_workdir(
+        f"{bucket}/straight"))]  # with the grad norms, bit for bit
     assert sync.committed(remote)[-1] == "step_00000006"
     if "--config.train.export_full_at_end=true" in extra:
         exported = json.loads(remote.read_text(f"{checkpointing.EXPORT}/{checkpointing.MANIFEST}"))["files"]
