@@ -120,7 +120,8 @@ CASES = [
     (['--config.data.source=/nonexistent/corpus.txt'],
      "error: data.source: no such file or directory /nonexistent/corpus.txt; use 'bundled' or a local path"),
     (['--config.data.tokenizer=/nonexistent/tok'],
-     "error: data.tokenizer: must be 'byte' or a local tokenizer directory (no directory /nonexistent/tok)"),
+     "error: data.tokenizer: must be 'byte', a local tokenizer directory or a hub id org/name (no directory "
+     "/nonexistent/tok)"),
     (['--config.model.init_from=/nonexistent/model'],
      'error: model.init_from: /nonexistent/model is not a local model directory (no config.json) or a hub id (org/name)'),
     (['--config', '/nonexistent/recipe.py'],

@@ -11,7 +11,7 @@ def test_every_field_has_a_meaning_beside_its_default():
     meanings = field_meanings()
     assert set(meanings) == set(flat_fields(base_config()))
     assert not [field for field, meaning in meanings.items() if not meaning]
-    assert meanings["train.steps"] == "optimizer steps of the run"
+    assert meanings["train.steps"] == "optimizer steps of the run; 0 = as many as train.epochs take"
     assert meanings["plan.fsdp_size"].startswith("ranks parameters are sharded over")  # plan.py's own docs
 
 
@@ -21,7 +21,7 @@ def test_help_lists_the_fields_with_defaults_and_meanings(capsys):
     assert "--print_config" in out
     lines = out.splitlines()
     at = lines.index("  train.steps = 300")
-    assert lines[at + 1].strip() == "optimizer steps of the run"
+    assert lines[at + 1].strip() == "optimizer steps of the run; 0 = as many as train.epochs take"
     assert '  data.cache_dir = ""' in lines
     assert all(f"  {field} = " in out for field in flat_fields(base_config()))
 
