@@ -84,6 +84,7 @@ def expose(names: set, directory: pathlib.Path, venv: pathlib.Path) -> None:
     (site / "gpu_machine_torch.pth").write_text(str(directory) + "\n")
 
 
+@pytest.mark.slow  # a fresh venv installed from a wheel folder (2-4 min on 2 cores); the folder's contents are checked by default
 def test_a_fresh_environment_with_torch_installs_the_folder_offline_and_imports_what_the_runs_need(tmp_path):
     wanted = gpu_setup.requirements(torch.__version__)
     torch_has = closure(["torch"])
