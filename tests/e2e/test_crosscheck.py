@@ -27,7 +27,7 @@ def test_backends_agree(tmp_path):
     assert "agree: largest relative difference" in agree.stdout
 
 
-@pytest.mark.slow  # two backends' runs; the comparison's verdict is checked by default in tests/flax/test_parity.py
+@pytest.mark.slow  # two backends' runs (1-3 min on 2 cores); crosscheck's argument checks stay in the default suite
 def test_a_wrong_learning_rate_is_caught(tmp_path):
     perturbed = crosscheck(ROOT, "--workdir", str(tmp_path / "cc"), "--override", "flax:train.lr=0.0031")
     assert perturbed.returncode == 1
