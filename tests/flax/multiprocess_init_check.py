@@ -23,7 +23,7 @@ from tests.parity.matrix import make_config  # noqa: E402
 
 
 def main(out: str, process_id: int, port: int) -> None:
-    devices.join(f"127.0.0.1:{port}", 2, process_id)
+    devices.join({"coordinator_address": f"127.0.0.1:{port}", "num_processes": 2, "process_id": process_id})
     config = make_config({"plan.tp_size": "2"})
     plan = resolve_plan(config, 4)
     mesh = sharding.build_mesh(plan.mesh, jax.devices())
