@@ -10,7 +10,6 @@ import os
 import sys
 
 import numpy as np
-import torch.distributed as dist
 
 from portable_fsdp import backends
 from portable_fsdp.config.validate import resolve_plan
@@ -19,6 +18,7 @@ from portable_fsdp.data.loader import build_token_data
 from portable_fsdp.training.evaluation import evaluate
 from tests.dist.fsdp_variants import EVAL_SEQUENCES
 from tests.parity.matrix import make_config
+from tests.dist.launch import write_results
 
 SEEN = []  # (rows, seq_len) of every logits tensor preprocess_logits was handed
 
@@ -67,9 +67,7 @@ def main() -> None:
     out, runs = sys.argv[1], dict(arg.split("=", 1) for arg in sys.argv[2:])
     backend = backends.load("cpu")
     results = {name: run(backend, json.loads(overrides)) for name, overrides in runs.items()}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    write_results(out, results)
     backend.finalize()
 
 

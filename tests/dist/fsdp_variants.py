@@ -6,7 +6,6 @@ from one process's and a SHARDED checkpoint round-trip to JSON.
 """
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from portable_fsdp.training.evaluation import evaluate
 from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import VARIANTS, make_config
 from tests.parity.reference import reference_gradients
+from tests.dist.launch import write_results
 
 # 3 full eval batches of 8 and one with 3 real rows: ranks see different numbers of label tokens.
 EVAL_SEQUENCES = 27
@@ -134,9 +134,7 @@ def main() -> None:
     out, steps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     backend = backends.load("cpu")
     results = {name: run_variant(name, steps, backend) for name in names}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    write_results(out, results)
     backend.finalize()
 
 

@@ -1,5 +1,6 @@
 """Starting a multi-process CPU run for a test: torchrun on gloo, one thread per rank, the whole process
 group killed on a timeout (workers are torchrun's children and would outlive it)."""
+import json
 import tempfile
 
 from benchmarks.common import ROOT, run_python
@@ -13,3 +14,12 @@ def torchrun(nproc: int, *args: str, timeout: float = 900) -> None:
                            "--log-dir", agent_files, *args], timeout,
                           env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # scripts import tests.*
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def write_results(out: str, results: dict) -> None:
+    """A check script's end, on every rank: rank 0 writes the results the test reads."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)

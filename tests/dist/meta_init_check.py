@@ -5,7 +5,6 @@ mode, every rank's resident memory right after start-up (and before the model ex
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/meta_init_check.py OUT.json CASE...
 """
-import json
 import os
 import sys
 
@@ -18,6 +17,7 @@ from portable_fsdp.backends.hf_torch import model as model_lib
 from portable_fsdp.backends.torch import step as torch_step
 from portable_fsdp.config.validate import resolve_plan
 from tests.parity.matrix import make_config
+from tests.dist.launch import write_results
 
 TIED = {"model.tie_word_embeddings": "true"}
 # ~110M parameters: 32000 x 768 tied embeddings, 12 layers of 768 / 2048
@@ -93,9 +93,7 @@ def memory(name: str) -> dict:
 def main() -> None:
     out, mode, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     results = {name: (memory if mode == "memory" else bits)(name) for name in names}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    write_results(out, results)
     torch_step.finalize()
 
 
