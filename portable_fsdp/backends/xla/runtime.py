@@ -10,6 +10,7 @@ FSDP v1: one process per device (torch_xla's launcher); tensors are local, and s
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 
 import numpy as np
@@ -40,7 +41,9 @@ class Runtime:
     data_parallel: tuple  # (dp_rank, dp_size): which slice of the global batch this process feeds, of how many
 
 
-def initialize(plan: ShardingPlan) -> Runtime:
+def initialize(plan: ShardingPlan, timeout_s: float) -> Runtime:
+    """`timeout_s` (train.collective_timeout_s) bounds every wait of the hosts' gloo group: a lost host is an error,
+    not a hang."""
     if plan.xla.xla_fsdp_v2:
         if not xr.is_spmd():
             xr.use_spmd()  # before any tensor reaches a device
@@ -58,7 +61,8 @@ def initialize(plan: ShardingPlan) -> Runtime:
         hosts = xr.process_count()
         data_slice = _host_data_slice(devices) if hosts > 1 else (0, 1)
         if hosts > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="xla://")  # rank: xr.process_index(), one per host
+            dist.init_process_group("gloo", init_method="xla://",  # rank: xr.process_index(), one per host
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         return Runtime(True, torch_xla.device(), xr.device_type(), mesh, xr.process_index(), devices, hosts,
                        data_slice)
     return Runtime(False, torch_xla.device(), xr.device_type(), None, xr.global_ordinal(), xr.world_size(),

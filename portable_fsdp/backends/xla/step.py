@@ -59,7 +59,7 @@ class TrainState:
 
 
 def init(config, plan: ShardingPlan, backend: str) -> TrainState:
-    runtime = rt.initialize(plan)
+    runtime = rt.initialize(plan, config.train.collective_timeout_s)
     if plan.mixed_precision.param_dtype == "float32" and runtime.device_type != "CPU":
         # float32 means float32: a TPU otherwise multiplies float32 operands in one bfloat16 pass
         import torch_xla.backends
@@ -191,8 +191,8 @@ def placement(state: TrainState) -> Placement:
 
 
 def barrier(state: TrainState, timeout_s: float | None = None) -> None:
-    """xm.rendezvous (FSDP v1) or the SPMD hosts' gloo group (runtime.barrier), neither bounded by
-    train.collective_timeout_s: `timeout_s` has nothing to lengthen."""
+    """xm.rendezvous (FSDP v1, unbounded) or the SPMD hosts' gloo group (runtime.barrier, bounded by
+    train.collective_timeout_s from its creation): `timeout_s` has nothing to lengthen."""
     rt.barrier(state.ctx.runtime)
 
 
