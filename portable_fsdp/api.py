@@ -5,7 +5,7 @@
     config = pf.get_config("llama_tiny:test", {"train.steps": 5})
     plan = pf.plan_for(config, backend="cpu")  # world size: 1 here, torchrun's under torchrun
     backend = pf.load_backend("cpu")           # a `portable_fsdp.backend.Backend`
-    state = backend.init(config, plan, "cpu")
+    state = pf.init(config, plan, "cpu")       # or with your own parts: model=, loss=, optimizer=, schedule=
     data = pf.Batches(config, backend, state)
     for step in range(config.train.steps):
         state, metrics = backend.train_step(state, data.train(step))
@@ -13,7 +13,8 @@
     pf.save(backend, state, "runs/mine", config, plan)
     backend.finalize(state)
 
-Or the whole run, as the command runs it: `summary = pf.train(config, backend="cpu", workdir="runs/x")`. From a
+Or the whole run, as the command runs it: `summary = pf.train(config, backend="cpu", workdir="runs/x")`, with the
+same parts (`pf.train(config, model=..., loss=..., optimizer=..., schedule=...)`: portable_fsdp/training/parts.py). From a
 Hugging Face Trainer's arguments: `config = pf.from_training_arguments(training_args, "llama_tiny")`.
 Imports no framework: the backend's is imported by `load_backend`.
 """
@@ -32,11 +33,12 @@ from portable_fsdp.errors import UserError
 from portable_fsdp.storage import remote as storage
 from portable_fsdp.training.callbacks import EarlyStopping, StopTraining
 from portable_fsdp.training.evaluation import evaluate
+from portable_fsdp.training.parts import LossInputs, Parts
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.config.validate import check_backend, resolve_plan
 
-__all__ = ["get_config", "from_training_arguments", "plan_for", "load_backend", "Batches", "evaluate", "save", "load", "train", "RunFailed",
-           "StopTraining", "EarlyStopping"]
+__all__ = ["get_config", "from_training_arguments", "plan_for", "load_backend", "init", "Batches", "evaluate", "save",
+           "load", "train", "RunFailed", "StopTraining", "EarlyStopping", "LossInputs"]
 
 # What torch's process group reads (env://), for one process when nothing (torchrun, the user) set them.
 _SINGLE_PROCESS = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -60,19 +62,20 @@ def get_config(recipe: str | None = None, overrides: dict | None = None):
     return config
 
 
-def plan_for(config, world_size: int | None = None, backend: str | None = None) -> ShardingPlan:
+def plan_for(config, world_size: int | None = None, backend: str | None = None, model=None) -> ShardingPlan:
     """The validated sharding plan, its mesh sized for `world_size` (default: WORLD_SIZE, else 1). With
     `backend`, also what the command checks before it starts one: a setting that backend refuses is a
     UserError naming the fix, one it ignores a warning (portable_fsdp/capabilities.py); for xla, the
-    xla_fsdp_settings that mean a plan field under SPMD FSDPv2 move onto `config`'s plan, as the command does."""
+    xla_fsdp_settings that mean a plan field under SPMD FSDPv2 move onto `config`'s plan, as the command does.
+    `model`: the model you will pass to `init`, checked in place of the config's."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if backend is not None:
         backends.load(backend).prepare_config(config)
     plan = resolve_plan(config, world)
     if backend is not None:
         module = backends.load(backend)
-        model = module.describe_model(config)  # the model's family: some rules read it
-        check_backend(config, plan, backend, module.device_type(backend), world, model)
+        info = module.describe_model(config, Parts(model=model))  # the model's family: some rules read it
+        check_backend(config, plan, backend, module.device_type(backend), world, info)
     return plan
 
 
@@ -85,6 +88,16 @@ def load_backend(name: str = backends.DEFAULT):
 
         os.environ.update({**_SINGLE_PROCESS, "MASTER_PORT": str(rendezvous_port())})
     return backends.load(name)
+
+
+def init(config, plan: ShardingPlan, backend: str = backends.DEFAULT, *, model=None, loss=None, optimizer=None,
+         schedule=None):
+    """The backend's first training state: its runtime started, the model built and sharded as `plan` says, the
+    optimizer made. Each part given replaces the config's (portable_fsdp/training/parts.py): `model` a torch.nn.Module
+    (cpu, cuda, xla) or flax.nnx.Module (flax); `loss(outputs, batch) -> (sum, count)`; `optimizer` a torch
+    factory `params -> torch.optim.Optimizer` or an optax transformation; `schedule(step) -> lr`. Then
+    `state, metrics = load_backend(backend).train_step(state, micro_batches)`."""
+    return load_backend(backend).init(config, plan, backend, Parts(model, loss, optimizer, schedule))
 
 
 class Batches:
@@ -126,12 +139,14 @@ def load(backend, state, path, config, backend_name: str | None = None):
     return checkpoint_session.resume(backend, state, checkpoint, config, _name_of(backend, backend_name))
 
 
-def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1, callbacks=()) -> dict | None:
+def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | None = 1, callbacks=(), *, model=None,
+          loss=None, optimizer=None, schedule=None) -> dict | None:
     """Train as `python -m portable_fsdp.run` does, with `nproc` local processes (1: in this one; None: the
     command's default), and return the run's summary (what the command prints at the end; rank 0's). `workdir`
     (a directory, or s3://bucket/path or gs://bucket/path) defaults to runs/train-<time>. `callbacks`: objects
     with any of on_step(state, metrics), on_eval(state, metrics), on_save(state, path), called on rank 0; raising
-    StopTraining ends the run with a checkpoint (portable_fsdp.training.callbacks; EarlyStopping is one). Raises
+    StopTraining ends the run with a checkpoint (portable_fsdp.training.callbacks; EarlyStopping is one).
+    `model`, `loss`, `optimizer`, `schedule`: as `init` takes them, in place of the config's. Raises
     UserError on a bad setting, RunFailed when the run fails after it started."""
     from portable_fsdp.launch import launcher as launch
     from portable_fsdp.cli import default_workdir
@@ -143,6 +158,7 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     workdir = storage.working_copy(workdir) if storage.is_url(workdir) else \
         pathlib.Path(workdir) if workdir else default_workdir("train")
     try:
-        return launch.start(config, name, workdir, nproc, callbacks=callbacks)
+        return launch.start(config, name, workdir, nproc, callbacks=callbacks,
+                            parts=Parts(model, loss, optimizer, schedule))
     except SystemExit as exit_:
         raise RunFailed(exit_.code if isinstance(exit_.code, int) else 1) from None

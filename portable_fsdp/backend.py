@@ -32,6 +32,8 @@ import pathlib
 from contextlib import AbstractContextManager
 from typing import Protocol, Sequence, TypedDict
 
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
+
 # The keys of `Backend.memory_report`, on every backend: each maps to one value per rank (per device under
 # SPMD / JAX), in MiB.
 MEMORY_KEYS = ("mem_mb", "peak_mem_mb", "reserved_mb", "peak_reserved_mb", "state_mb", "grad_mb", "base_mem_mb",
@@ -170,12 +172,15 @@ class Backend(Protocol):
 
     # ---- the run
 
-    def describe_model(self, config) -> ModelInfo:
-        """The model's shape and classes, without materialising weights: start-up checks run on it."""
+    def describe_model(self, config, parts: Parts = NO_PARTS) -> ModelInfo:
+        """The model's shape and classes, without materialising weights: start-up checks run on it. `parts.model`,
+        when given, is the model described (else the config's)."""
 
-    def init(self, config, plan, backend: str) -> TrainState:
+    def init(self, config, plan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
         """Start the runtime (process group, devices), build the model and the optimizer as `plan` says.
-        `backend` is the name the user chose (cpu and cuda share one lowering)."""
+        `backend` is the name the user chose (cpu and cuda share one lowering). `parts`: the model, loss,
+        optimizer and schedule the user brings in place of the config's (portable_fsdp/training/parts.py); a
+        part this backend cannot run is a UserError naming it."""
 
     def train_step(self, state: TrainState, micro_batches: Sequence) -> tuple[TrainState, StepMetrics]:
         """One optimizer step over this rank's micro-batches (`data.batch.Batch`); consumes `state`."""
@@ -184,7 +189,8 @@ class Backend(Protocol):
         """num_items_in_batch: label tokens of the global batch, counted before any sequence sharding."""
 
     def eval_step(self, state: TrainState, batch, num_items_in_batch: int) -> dict:
-        """{"loss_sum": Σ token losses of the global batch}; the eval layer divides once by the tokens."""
+        """{"loss_sum": Σ token losses of the global batch}; the eval layer divides once by the tokens. Under a
+        custom loss, also "count": its Σ count over the global batch, which the eval layer divides by instead."""
 
     def predict_step(self, state: TrainState, batch, return_logits: bool = False, preprocess_logits=None) -> dict:
         """Full-length predictions of the global batch in token order, as numpy, on every rank:

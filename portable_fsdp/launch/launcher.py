@@ -18,6 +18,7 @@ from portable_fsdp.data.loader import check_data
 from portable_fsdp.errors import UserError, notify
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.config.validate import check_backend, resolve_plan
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
 
 def under_torchrun() -> bool:
@@ -25,18 +26,21 @@ def under_torchrun() -> bool:
 
 
 def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None,
-              claim: workdir_lock.Claim | None = None):
+              claim: workdir_lock.Claim | None = None, parts: Parts = NO_PARTS):
     """Every check that can be made without starting a worker. `device`: the device type the run uses, when
     it is not the backend's name (xla: the PJRT device; flax: the JAX platform). `claim`: the workdir's lock,
-    taken before anything is written there when this process owns the run."""
+    taken before anything is written there when this process owns the run. `parts`: the model, loss, optimizer
+    and schedule a caller of `portable_fsdp.train` brought (their model is the one checked)."""
     plan = resolve_plan(config, world_size)
     backend = backends.load(backend_name)
-    info = backend.describe_model(config)  # the model's family and own settings: capability rules read them
+    info = backend.describe_model(config, parts)  # the model's family and own settings: capability rules read them
     check_backend(config, plan, backend_name, device or backend_name, world_size, info)
     plan.wrap_classes(info)
     for message in plan.wrap_warnings(info):
         notify(message)
-    if config.train.check_fit:  # before anything is written: a run that will not fit is one line
+    if config.train.check_fit and parts.model is not None:
+        notify("train.check_fit estimates the config's model, not one passed in: skipped")
+    elif config.train.check_fit:  # before anything is written: a run that will not fit is one line
         from portable_fsdp.estimate import check_fit
 
         check_fit(config, backend_name, world_size, device or backend_name,
@@ -71,11 +75,12 @@ def prepare_workdir(workdir: pathlib.Path, config, backend_name: str, claim: wor
 
 
 def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
-          nodes: LaunchSettings | None = None, job: str = "train", callbacks=()) -> dict | None:
+          nodes: LaunchSettings | None = None, job: str = "train", callbacks=(), parts: Parts = NO_PARTS) -> dict | None:
     """Validate, start the workers and train. `nproc`: this machine's workers; `nodes` (an Accelerate YAML's
     launch keys): the machines they train with and where they meet, one machine when None; `job`: what the
     workers run (worker.JOBS: "train", or "probe" — portable_fsdp.selftest's device measurements); `callbacks`: the
-    training loop's (portable_fsdp.training.callbacks), for workers in this process. Returns the run's
+    training loop's (portable_fsdp.training.callbacks), for workers in this process; `parts`: the model, loss,
+    optimizer and schedule brought in place of the config's (portable_fsdp.training.parts), for them too. Returns the run's
     summary (the dict `loop.run` returns; rank 0's when this process launched several, None on the other
     machines; None under torch_xla's own launcher, FSDP v1). A run that fails
     prints its `error:` line and raises SystemExit with the exit status (2: a user error, 3: diverged,
@@ -90,10 +95,10 @@ def start(config, backend_name: str, workdir: pathlib.Path, nproc: int,
         backend = backends.load(backend_name)
         backend.prepare_config(config)  # before the workers get the config
         spec = {"config": config.to_dict(), "backend": backend_name, "workdir": str(workdir), "job": job,
-                "callbacks": list(callbacks)}
+                "callbacks": list(callbacks), "parts": parts}
 
         def checks(*args, **kwargs):
-            plan = preflight(*args, claim=claim, **kwargs)
+            plan = preflight(*args, claim=claim, parts=parts, **kwargs)
             spec["config"] = config.to_dict()  # train.steps and data.tokenizer as the checks resolved them
             return plan
 

@@ -25,7 +25,8 @@ JOBS = {"train": loop.run, "probe": _probe}
 
 def main(spec: dict) -> dict:
     """`spec` = {"config": the config as a plain dict, "backend": "cpu" | "cuda" | ..., "workdir": path, "job": a
-    key of JOBS (default "train"), and in this process "callbacks" for the training loop}. Returns the job's summary; the product's errors end the process with one line
+    key of JOBS (default "train"), and in this process "callbacks" and "parts" (portable_fsdp.training.parts) for
+    the training loop}. Returns the job's summary; the product's errors end the process with one line
     and their exit status.
 
     Under an elastic agent (our launcher or torchrun, which set TORCHELASTIC_ERROR_FILE) torch's `record`
@@ -46,7 +47,7 @@ def _main(spec: dict) -> dict:
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
         job = JOBS[spec.get("job", "train")]
-        extra = {"callbacks": spec["callbacks"]} if spec.get("callbacks") else {}
+        extra = {key: spec[key] for key in ("callbacks", "parts") if spec.get(key)}
         return job(config, plan, backends.load(spec["backend"]), spec["backend"], spec["workdir"], **extra)
     except UserError as err:
         print(f"{err.line()} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)

@@ -6,7 +6,9 @@ it — before context parallelism shards it — so eval_loss under CP equals eva
 
 Overriding the evaluation step: pass `eval_step=fn` with
     fn(state, batch, num_items_in_batch) -> {"loss_sum": Σ token losses of the batch over all ranks, ...}
-`num_items_in_batch` arrives already counted (global, before sharding); don't count after sharding.
+`num_items_in_batch` arrives already counted (global, before sharding); don't count after sharding. A step that
+also returns "count" (a custom loss's Σ count over all ranks: `portable_fsdp.training.parts`) is divided by that
+instead.
 
 `compute_metrics` comes in two conventions, told apart by how many arguments it requires:
 - `fn(predictions, labels) -> dict`: full-length argmax predictions of every eval row in the original token
@@ -36,8 +38,9 @@ def evaluate(backend, state, batches, eval_step=None, compute_metrics=None, prep
     predictions, labels = [], []
     for batch in batches:
         num_items_in_batch = backend.count_label_tokens(state, batch)
-        loss_sum += step(state, batch, num_items_in_batch)["loss_sum"]
-        tokens += num_items_in_batch
+        result = step(state, batch, num_items_in_batch)
+        loss_sum += result["loss_sum"]
+        tokens += result.get("count", num_items_in_batch)
         if trainers:
             out = backend.predict_step(state, dataclasses.replace(batch, labels=trainer_labels(batch.labels)),
                                        return_logits=True, preprocess_logits=preprocess_logits)

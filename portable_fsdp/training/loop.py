@@ -18,6 +18,7 @@ from portable_fsdp.machine import hardware
 
 from portable_fsdp.training import faults
 from portable_fsdp.training.callbacks import Callbacks
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 from portable_fsdp.data.loader import open_data
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError, notify
 from portable_fsdp.training.evaluation import evaluate, resolve_metrics, resolve_preprocess
@@ -43,9 +44,10 @@ class _Best:
         return False
 
 
-def run(config, plan, backend, backend_name: str, workdir: pathlib.Path, callbacks=()) -> dict:
-    """`callbacks`: portable_fsdp.training.callbacks' hooks, called on global rank 0."""
-    state = backend.init(config, plan, backend_name)
+def run(config, plan, backend, backend_name: str, workdir: pathlib.Path, callbacks=(), parts: Parts = NO_PARTS) -> dict:
+    """`callbacks`: portable_fsdp.training.callbacks' hooks, called on global rank 0; `parts`: the model, loss,
+    optimizer and schedule brought in place of the config's (portable_fsdp.training.parts)."""
+    state = backend.init(config, plan, backend_name, parts)
     interrupt = InterruptFlag().install() if config.train.save_on_interrupt else None
     try:
         result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt, callbacks)

@@ -31,7 +31,7 @@ class ScriptedBackend:
         self.evals = 0
         self.loaded = []
 
-    def init(self, config, plan, name):
+    def init(self, config, plan, name, parts):
         return State(step=0)
 
     def placement(self, state):

@@ -27,7 +27,9 @@ from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.mesh_fit import tensor_parallel_plan
 from portable_fsdp.placement import expert_axes
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 from portable_fsdp.training.schedule import for_config as schedule_for
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -59,7 +61,9 @@ class TrainState:
     ctx: Context
 
 
-def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
+    if parts.given():
+        raise UserError(parts.given()[0], f"is not taken by the {backend} backend yet; leave it out")
     devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
     if plan.mixed_precision.param_dtype == "float32":
         # float32 means float32: a GPU would otherwise multiply in TF32, a TPU in one bfloat16 pass

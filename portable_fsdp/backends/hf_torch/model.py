@@ -15,6 +15,7 @@ from portable_fsdp.checkpoint import layout as checkpointing, safetensors_shards
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.backends.hf_torch import deferred_init, experts
 from portable_fsdp.errors import UserError
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
 
 # The model fields a random init takes from the config (every family's config.json has them by these names or
@@ -90,7 +91,7 @@ def _hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def describe_model(config) -> ModelInfo:
+def describe_model(config, parts: Parts = NO_PARTS) -> ModelInfo:
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(config.model)

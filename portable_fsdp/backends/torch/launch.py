@@ -65,9 +65,11 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         with _rank_environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port(nodes.main_process_port))):
             return worker.main(spec)
-    if spec.get("callbacks"):  # Python objects of this process: the started workers could not call them
-        raise UserError("callbacks", f"run in this process: use nproc=1 (got {nproc}), or call train under torchrun, "
-                        "where every process passes its own")
+    for key, given in (("callbacks", spec.get("callbacks")), ("parts", spec.get("parts") and spec["parts"].given())):
+        if given:  # Python objects of this process: the started workers could not call them
+            name = key if key == "callbacks" else ", ".join(given)
+            raise UserError(name, f"run in this process: use nproc=1 (got {nproc}), or call train under torchrun, "
+                            "where every process passes its own")
     return _elastic_launch(spec, nproc, nodes)
 
 

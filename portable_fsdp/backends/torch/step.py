@@ -37,7 +37,9 @@ from portable_fsdp.data.batch import Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 from portable_fsdp.training.schedule import for_config as schedule_for
 from portable_fsdp.training.sequence_split import gathered_order
 
@@ -77,7 +79,9 @@ class TrainState:
     ctx: Context
 
 
-def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
+    if parts.given():
+        raise UserError(parts.given()[0], f"is not taken by the {backend} backend yet; leave it out")
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
     if runtime.device.type == "cpu" or plan.cpu_offload:  # a step that computes on host memory
         host_allocator.keep_freed_blocks()

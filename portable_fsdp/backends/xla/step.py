@@ -26,7 +26,9 @@ from portable_fsdp.backends.xla.parallelize import parallelize
 from portable_fsdp.data.batch import IGNORE_INDEX, Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.training.loss_chunks import Chunking
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
+from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 from portable_fsdp.training.schedule import for_config as schedule_for
 
 
@@ -58,7 +60,9 @@ class TrainState:
     ctx: Context
 
 
-def init(config, plan: ShardingPlan, backend: str) -> TrainState:
+def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
+    if parts.given():
+        raise UserError(parts.given()[0], f"is not taken by the {backend} backend yet; leave it out")
     runtime = rt.initialize(plan, config.train.collective_timeout_s)
     if plan.mixed_precision.param_dtype == "float32" and runtime.device_type != "CPU":
         # float32 means float32: a TPU otherwise multiplies float32 operands in one bfloat16 pass
