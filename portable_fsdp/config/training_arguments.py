@@ -29,7 +29,10 @@ from portable_fsdp.training.trackers import TRACKERS
 # cosine_with_min_lr, whose floor lr_scheduler_kwargs gives.
 SCHEDULES = {"linear": ("linear", True), "cosine": ("cosine", True), "cosine_with_min_lr": ("cosine", True),
              "constant_with_warmup": ("constant", True), "constant": ("constant", False)}
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # torch's AdamW, which every backend runs
+# Trainer's optim -> train.optimizer, where both run the same update: torch's AdamW; torch.optim.SGD (optim_args'
+# momentum); bitsandbytes' 32-bit Lion, betas from adam_beta1/adam_beta2 as Trainer passes them. Trainer's adafactor
+# is transformers' own (relative steps, parameter scaling), not torch's that train.optimizer=adafactor runs.
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd", "lion_32bit": "lion"}
 # fsdp_config keys TrainingArguments adds itself, with these values, when fsdp is on: they were not written by the
 # user, and read as written they would change our defaults (xla_fsdp_v2=false is FSDP v1 on --backend xla).
 INJECTED_FSDP_KEYS = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
@@ -128,13 +131,15 @@ def _data_parallel_size(config, args, world_size: int | None) -> int:
 # ---------------------------------------------------------------- what is trained
 
 def _apply_numbers(config, args, data_parallel: int) -> None:
-    if args.max_steps <= 0:
-        raise UserError(_source("max_steps"), (
-            f"is {args.max_steps}: num_train_epochs ({args.num_train_epochs}) needs the dataset's size, which "
-            "the config does not know; set max_steps, the optimizer steps to train"))
-    steps = args.max_steps
+    steps = max(args.max_steps, 0)  # Trainer's -1: as many steps as num_train_epochs take (train.steps=0)
+    if not steps and args.num_train_epochs <= 0:
+        raise UserError(_source("num_train_epochs"), (
+            f"is {args.num_train_epochs} and max_steps is {args.max_steps}: give the passes over the data to train, "
+            "or max_steps"))
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     set_field(config, "train.steps", steps, _source("max_steps"))
+    if not steps:  # the steps follow from the train split's size once the data is read (data/loader.resolve_epochs)
+        set_field(config, "train.epochs", float(args.num_train_epochs), _source("num_train_epochs"))
     set_field(config, "train.grad_accum_steps", accumulation, _source("gradient_accumulation_steps"))
     set_field(config, "train.batch_size", per_device * accumulation * data_parallel,
               _source("per_device_train_batch_size"))
@@ -145,14 +150,32 @@ def _apply_numbers(config, args, data_parallel: int) -> None:
     for name, field in (("weight_decay", "weight_decay"), ("adam_beta1", "beta1"), ("adam_beta2", "beta2"),
                         ("adam_epsilon", "eps"), ("max_grad_norm", "max_grad_norm")):
         set_field(config, f"train.{field}", float(getattr(args, name)), _source(name))
-    if _plain(args.optim) not in OPTIMIZERS:
-        raise UserError(_source("optim"), (
-            f"{_plain(args.optim)} has no equivalent here; choose {' or '.join(OPTIMIZERS)}"))
+    _apply_optimizer(config, args)
     if args.data_seed is not None and args.data_seed != args.seed:
         raise UserError(_source("data_seed"), (
             f"is {args.data_seed}, apart from seed {args.seed}: one seed decides both the weights and the data "
             "order here; leave data_seed unset or equal to seed"))
     set_field(config, "seed", args.seed, _source("seed"))
+
+
+def _apply_optimizer(config, args) -> None:
+    name = _plain(args.optim)
+    if name not in OPTIMIZERS:
+        raise UserError(_source("optim"), (
+            f"{name} has no equivalent here; choose one of {', '.join(OPTIMIZERS)}, or set train.optimizer "
+            "(docs/optimizers.md)"))
+    set_field(config, "train.optimizer", OPTIMIZERS[name], _source("optim"))
+    extra = {} if args.optim_args is None else dict(
+        item.split("=", 1) for item in args.optim_args.replace(" ", "").split(",") if item)
+    unread = sorted(set(extra) - ({"momentum"} if name == "sgd" else set()))
+    if unread:
+        raise UserError(_source("optim_args"), (
+            f"{', '.join(unread)} has no equivalent for {name}; leave optim_args unset"
+            + (" or give only momentum" if name == "sgd" else "")))
+    if "momentum" in extra:
+        set_field(config, "train.momentum", float(extra["momentum"]), _source("optim_args"))
+    elif name == "sgd":  # torch.optim.SGD's default, not the config's
+        set_field(config, "train.momentum", 0.0, _source("optim"))
 
 
 def _apply_schedule(config, args, steps: int) -> None:
@@ -163,7 +186,7 @@ def _apply_schedule(config, args, steps: int) -> None:
     shape, warms_up = SCHEDULES[kind]
     set_field(config, "train.lr_schedule", shape, _source("lr_scheduler_type"))
     set_field(config, "train.min_lr_ratio", _floor(args, kind), _source("lr_scheduler_kwargs"))
-    warmup = _steps(args.warmup_steps, steps) if warms_up else 0
+    warmup = _steps(args.warmup_steps, steps, "warmup_steps") if warms_up else 0
     set_field(config, "train.warmup_steps", warmup, _source("warmup_steps"))
     if warmup:
         notify(f"TrainingArguments.warmup_steps: the warm-up reaches learning_rate one step earlier than "
@@ -191,9 +214,16 @@ def _floor(args, kind: str) -> float:
     return float(floor)
 
 
-def _steps(value: float, total: int) -> int:
-    """Trainer's step counts: at least 1 is a number of steps, below 1 a fraction of the total, rounded up."""
-    return int(value) if value >= 1 else math.ceil(total * value)
+def _steps(value: float, total: int, name: str) -> int:
+    """Trainer's step counts: at least 1 is a number of steps, below 1 a fraction of the total, rounded up (a total
+    of 0: a run of num_train_epochs, whose steps are not known before the data is read)."""
+    if value >= 1 or value <= 0:
+        return int(value)
+    if not total:
+        raise UserError(_source(name), (
+            f"is {value:g}, a fraction of the run's steps, which num_train_epochs leaves unknown until the data is "
+            f"read; give {name} as a number of steps, or set max_steps"))
+    return math.ceil(total * value)
 
 
 # ---------------------------------------------------------------- when: eval, save, log
@@ -206,7 +236,7 @@ def _apply_cadence(config, args) -> None:
     if _plain(args.logging_strategy) != "steps":
         raise UserError(_source("logging_strategy"), (
             f"{_plain(args.logging_strategy)} has no equivalent: the run logs every logging_steps; use steps"))
-    set_field(config, "train.log_every", _steps(args.logging_steps, total), _source("logging_steps"))
+    set_field(config, "train.log_every", _steps(args.logging_steps, total, "logging_steps"), _source("logging_steps"))
     if args.load_best_model_at_end:
         if args.metric_for_best_model not in ("loss", "eval_loss") or args.greater_is_better:
             raise UserError(_source("metric_for_best_model"), (
@@ -222,7 +252,7 @@ def _every(args, what: str, steps: float, total: int) -> int:
     if strategy != "steps":
         raise UserError(_source(f"{what}_strategy"), (
             f"{strategy} has no equivalent: the config counts optimizer steps; use steps with {what}_steps"))
-    return _steps(steps, total)
+    return _steps(steps, total, f"{what}_steps")
 
 
 # ---------------------------------------------------------------- tools around the run
@@ -248,6 +278,6 @@ HANDLED = frozenset({
     "gradient_checkpointing", "bf16", "fp16", "max_steps", "num_train_epochs", "per_device_train_batch_size",
     "gradient_accumulation_steps", "per_device_eval_batch_size", "learning_rate", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-    "max_grad_norm", "optim", "seed", "data_seed", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
+    "max_grad_norm", "optim", "optim_args", "seed", "data_seed", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
     "logging_strategy", "logging_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
     "save_total_limit", "report_to", "disable_tqdm", "ddp_timeout", "output_dir", *NO_EFFECT})

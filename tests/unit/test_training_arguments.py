@@ -70,6 +70,21 @@ def test_defaults_pass_silently_and_mean_what_trainer_does():
     assert config.plan.param_dtype == "float32"
 
 
+def test_num_train_epochs_without_max_steps_trains_by_epochs():
+    config = convert(arguments(max_steps=-1, num_train_epochs=3, logging_steps=2), world_size=1)
+    assert (config.train.steps, config.train.epochs, config.train.log_every) == (0, 3.0, 2)
+
+
+@pytest.mark.parametrize("optim, optim_args, optimizer, momentum", [
+    ("adamw_torch_fused", None, "adamw", None), ("sgd", None, "sgd", 0.0), ("sgd", "momentum=0.9", "sgd", 0.9),
+    ("lion_32bit", None, "lion", None)])
+def test_trainers_optimizers_become_the_same_update(optim, optim_args, optimizer, momentum):
+    config = convert(arguments(optim=optim, optim_args=optim_args, adam_beta2=0.99), world_size=1)
+    assert (config.train.optimizer, config.train.beta2) == (optimizer, 0.99)  # Lion's betas: adam_beta1/2, as Trainer
+    if momentum is not None:
+        assert config.train.momentum == momentum
+
+
 def test_world_size_converts_the_per_device_batch(monkeypatch, tmp_path):
     args = arguments(per_device_train_batch_size=2, gradient_accumulation_steps=3, per_device_eval_batch_size=1)
     assert convert(args, world_size=4).train.batch_size == 2 * 3 * 4
@@ -111,12 +126,16 @@ def test_schedule_equals_trainers(kind, kwargs):
 @pytest.mark.parametrize("values, field, phrase", [
     ({"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor",
      "has no equivalent in portable_fsdp; leave it at its default (0.0)"),
-    ({"max_steps": -1, "num_train_epochs": 2}, "TrainingArguments.max_steps",
-     "num_train_epochs (2) needs the dataset's size"),
+    ({"max_steps": -1, "num_train_epochs": 0}, "TrainingArguments.num_train_epochs",
+     "is 0 and max_steps is -1: give the passes over the data to train, or max_steps"),
+    ({"max_steps": -1, "num_train_epochs": 2, "warmup_steps": 0.1}, "TrainingArguments.warmup_steps",
+     "is 0.1, a fraction of the run's steps, which num_train_epochs leaves unknown"),
+    ({"optim": "sgd", "optim_args": "nesterov=True"}, "TrainingArguments.optim_args",
+     "nesterov has no equivalent for sgd; leave optim_args unset or give only momentum"),
     ({"lr_scheduler_type": "polynomial"}, "TrainingArguments.lr_scheduler_type", "polynomial has no equivalent"),
     ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 1.0}},
      "TrainingArguments.lr_scheduler_kwargs", "num_cycles other than 0.5"),
-    ({"optim": "adafactor"}, "TrainingArguments.optim", "adafactor has no equivalent"),
+    ({"optim": "adafactor"}, "TrainingArguments.optim", "adafactor has no equivalent here; choose one of adamw_torch"),
     ({"data_seed": 3}, "TrainingArguments.data_seed", "apart from seed 42"),
     ({"eval_strategy": "epoch"}, "TrainingArguments.eval_strategy", "epoch has no equivalent"),
     ({"report_to": "mlflow"}, "TrainingArguments.report_to", "mlflow has no equivalent"),
