@@ -91,7 +91,12 @@ def sliding_windows(hf_config) -> tuple:
 def describe_model(config, parts: Parts = NO_PARTS):
     """ModelInfo for start-up validation, from the same transformers config the torch backends read. A
     family the Flax model does not build is left to the capability table (model.model_type), which refuses it
-    by name; a config of a built family that it cannot compute is refused here, before training starts."""
+    by name; a config of a built family that it cannot compute is refused here, before training starts. A
+    flax.nnx module of the user's own (`parts.model`) is described from the module itself (user_model.py)."""
+    if parts.model is not None:
+        from portable_fsdp.backends.flax import user_model
+
+        return user_model.describe(parts.model, tuple(config.plan.transformer_layer_cls_to_wrap))
     from portable_fsdp.backends.hf_torch.model import describe_model as describe_torch_model, hf_config
 
     info = describe_torch_model(config)
