@@ -14,7 +14,6 @@ import dataclasses
 from portable_fsdp.backends.flax.rope import inverse_frequencies
 from portable_fsdp.capabilities import FLAX_FAMILIES
 from portable_fsdp.errors import UserError
-from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +87,10 @@ def sliding_windows(hf_config) -> tuple:
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
-def describe_model(config, parts: Parts = NO_PARTS):
+def describe_model(config):
     """ModelInfo for start-up validation, from the same transformers config the torch backends read. A
     family the Flax model does not build is left to the capability table (model.model_type), which refuses it
-    by name; a config of a built family that it cannot compute is refused here, before training starts. A
-    flax.nnx module of the user's own (`parts.model`) is described from the module itself (user_model.py)."""
-    if parts.model is not None:
-        from portable_fsdp.backends.flax import user_model
-
-        return user_model.describe(parts.model, tuple(config.plan.transformer_layer_cls_to_wrap))
+    by name; a config of a built family that it cannot compute is refused here, before training starts."""
     from portable_fsdp.backends.hf_torch.model import describe_model as describe_torch_model, hf_config
 
     info = describe_torch_model(config)

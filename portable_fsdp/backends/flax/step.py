@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import (architecture, torch_weights, devices as devices_lib, initial, model as model_lib,
+from portable_fsdp.backends.flax import (description, torch_weights, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
                                          resources, sharding, user_model)
 from portable_fsdp.data.batch import Batch
@@ -77,7 +77,7 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     baseline_mb = tuple(resources.device_memory_mb(device)["mem_mb"] for device in resources.reported_devices(mesh))
     weights = initial.prepare(config, remat) if parts.model is None else user_model.prepare(parts.model)
     model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
-    info = architecture.describe_model(config, parts)
+    info = description.describe_model(config, parts)
     experts_over = expert_axes(plan.mesh)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
                                               torch_weights.torch_name, experts_over)
