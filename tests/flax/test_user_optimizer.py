@@ -125,3 +125,37 @@ def test_the_learning_rate_must_be_settable():
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     for nested in (optax.chain(optax.clip(1.0), inner), optax.MultiSteps(inner, every_k_schedule=2)):
         optimizer.check_learning_rate(nested.init(params))  # found inside chain and MultiSteps
+
+
+@needs_devices(2)
+def test_the_loop_stops_and_resumes_a_run_of_ones_own_parts_with_the_same_losses(tmp_path):
+    """As the command runs it: a user's model, loss, optimizer and schedule, evaluated (eval_tokens: the loss's
+    count) and checkpointed by the loop, stopped at step 2 and resumed: the losses of a run that went straight
+    through."""
+    from portable_fsdp import backends
+    from portable_fsdp.config.validate import resolve_plan
+    from portable_fsdp.training import loop
+    from portable_fsdp.data.loader import open_data
+    from tests.conftest import read_metrics
+    from tests.flax.test_user_loss import weighted, weights
+
+    def config_with(overrides):
+        return make_config({"plan.fsdp_size": 2, "train.steps": 4, "train.log_every": 1, "train.eval_every": 2,
+                            "train.save_every": 2, **overrides})
+
+    def run(workdir, overrides):
+        config = config_with(overrides)
+        workdir.mkdir(exist_ok=True)
+        loop.run(config, resolve_plan(config, 2), backends.load("flax"), "flax", workdir,
+                 parts=parts_for(config, loss=weighted))
+        return read_metrics(workdir)
+
+    straight = run(tmp_path / "straight", {})
+    run(tmp_path / "split", {"train.stop_at_step": 2})
+    resumed = run(tmp_path / "split", {"train.resume": True})
+    losses = [[(r["step"], r["loss"], r["lr"]) for r in records if "loss" in r] for records in (straight, resumed)]
+    assert losses[0] == losses[1] and [lr for _, _, lr in losses[0]] == [halving(s) for s in range(4)]
+    config = config_with({})
+    _, eval_batches = open_data(config, config.model.vocab_size, 0, 1)
+    weight_sum = sum(float(np.asarray(weights(batch.labels)).sum()) for batch in eval_batches)
+    assert [r["eval_tokens"] for r in straight if "eval_loss" in r] == [weight_sum, weight_sum]
