@@ -1,6 +1,6 @@
 """A flax.nnx model of the user's own on --backend flax (`pf.init(..., model=module)`): it computes what its torch
-twin computes, it is described for the start-up checks and MFU, and sharded over fsdp (or replicated over dp) it
-trains as on one device."""
+twin computes, it is described for the start-up checks and MFU, and sharded over fsdp or tp (its `_tp_plan`), or
+replicated over dp, it trains as on one device."""
 import numpy as np
 import pytest
 
@@ -11,12 +11,19 @@ from tests.parity.reference import max_relative_difference
 STEPS = 5
 
 
-def mlp(vocab_size: int, seed: int = 0):
+def mlp(vocab_size: int, seed: int = 0, tp_plan: dict | None = None):
+    """nnx_mlp's model; with `tp_plan`, a subclass whose `_tp_plan` it is."""
     from flax import nnx
 
     from examples.custom_model.nnx_mlp import MLPLanguageModel
 
-    return MLPLanguageModel(vocab_size=vocab_size, rngs=nnx.Rngs(seed))
+    if tp_plan is None:
+        return MLPLanguageModel(vocab_size=vocab_size, rngs=nnx.Rngs(seed))
+    split = type("SplitMLPLanguageModel", (MLPLanguageModel,), {"_tp_plan": tp_plan})
+    return split(vocab_size=vocab_size, rngs=nnx.Rngs(seed))
+
+
+MLP_TP_PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
 
 
 def torch_twin(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2):
@@ -93,6 +100,7 @@ def test_the_module_is_described_for_the_start_up_checks():
     pytest.param({"plan.dp_replicate_size": 2, "plan.fsdp_size": 2, "train.batch_size": 8},
                  marks=[pytest.mark.slow, needs_devices(4)]),
     pytest.param({"plan.cp_size": 2}, marks=pytest.mark.slow),
+    {"plan.tp_size": 2, "plan.fsdp_size": 1},
 ])
 def test_sharded_over_the_mesh_it_trains_as_on_one_device(overrides):
     from portable_fsdp import placement
@@ -102,14 +110,19 @@ def test_sharded_over_the_mesh_it_trains_as_on_one_device(overrides):
     world = 4 if overrides.get("plan.dp_replicate_size") == 2 else 2
     same_batches = make_config({"train.grad_accum_steps": 2, **{k: v for k, v in overrides.items()
                                                                 if not k.startswith("plan.")}})
-    one = flax_losses(same_batches, 1, STEPS, Parts(model=mlp(config.model.vocab_size)))
-    many = flax_losses(config, world, STEPS, Parts(model=mlp(config.model.vocab_size)))
+    tp_plan = MLP_TP_PLAN if "plan.tp_size" in overrides else None
+    one = flax_losses(same_batches, 1, STEPS, Parts(model=mlp(config.model.vocab_size, tp_plan=tp_plan)))
+    many = flax_losses(config, world, STEPS, Parts(model=mlp(config.model.vocab_size, tp_plan=tp_plan)))
     assert max_relative_difference(many, one) <= FP32_RTOL
 
-    state = init_state(config, world, Parts(model=mlp(config.model.vocab_size)))
+    state = init_state(config, world, Parts(model=mlp(config.model.vocab_size, tp_plan=tp_plan)))
     spec = state.ctx.param_sharding["layers.0.up.kernel"].spec  # [64, 256]: split on its larger dimension
     shard_axes = [a for a in placement.SHARD_AXES if state.ctx.mesh.shape[a] > 1]
-    assert tuple(spec) == ((None, shard_axes[0]) if shard_axes else (None, None))
+    if tp_plan:  # colwise: the output features over tp
+        assert tuple(spec) == (None, "tp") and tuple(state.ctx.param_sharding["layers.0.down.kernel"].spec) == \
+            ("tp", None)
+    else:
+        assert tuple(spec) == ((None, shard_axes[0]) if shard_axes else (None, None))
 
 
 def test_a_torch_module_or_another_object_is_refused_in_one_line():
@@ -132,12 +145,12 @@ def test_what_a_user_module_cannot_do_here_is_refused_by_field():
     from portable_fsdp.training.parts import Parts
 
     model = mlp(make_config().model.vocab_size)
-    cases = [({"plan.tp_size": 2, "plan.fsdp_size": 1}, "plan.tp_size"),
+    cases = [({"plan.tp_size": 2, "plan.fsdp_size": 1}, "plan.tp_plan"),  # no _tp_plan: nothing to split
              ({"plan.activation_checkpointing": True}, "plan.activation_checkpointing")]
     for overrides, field in cases:
         with pytest.raises(UserError) as err:
             init_state(make_config(overrides), 2, Parts(model=model))
-        assert err.value.field == field
+        assert err.value.field == field and "\n" not in str(err.value)
 
     class NoVocabulary(nnx.Module):
         def __init__(self):

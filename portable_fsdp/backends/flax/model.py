@@ -272,6 +272,10 @@ class ModelDef:
                                      for name, var in self.variables.items()})
         return nnx.merge(self.graphdef, state)
 
+    def plan_name(self, name: str) -> str:
+        """The transformers name a tensor-parallel plan's patterns are matched against."""
+        return torch_weights.torch_name(name)
+
     # FULL checkpoints keep the parameters in torch's names and layout (torch_weights.py).
     def saved_name(self, name: str) -> str:
         return torch_weights.torch_name(name)

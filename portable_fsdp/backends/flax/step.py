@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import (description, torch_weights, devices as devices_lib, initial, model as model_lib,
+from portable_fsdp.backends.flax import (description, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
                                          resources, sharding, user_model)
 from portable_fsdp.data.batch import Batch
@@ -68,7 +68,7 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     """`parts`: a flax.nnx module, a loss, an optax transformation and a schedule of the user's own, each in
     place of the config's (portable_fsdp/training/parts.py)."""
     remat = plan.activation_checkpointing or config.train.gradient_checkpointing
-    _check_parts(parts, plan, remat)
+    _check_parts(parts, remat)
     devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
     if plan.mixed_precision.param_dtype == "float32":
         # float32 means float32: a GPU would otherwise multiply in TF32, a TPU in one bfloat16 pass
@@ -80,7 +80,7 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     info = description.describe_model(config, parts)
     experts_over = expert_axes(plan.mesh)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              torch_weights.torch_name, experts_over)
+                                              model_def.plan_name, experts_over)
     params = weights.place(param_sharding)
     del weights  # a model built whole (initial.built_whole) leaves the host here
     optimizer = optimizer_lib.build(config.train, parts.optimizer)
@@ -99,13 +99,10 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     return TrainState(params, opt_state, 0, ctx)
 
 
-def _check_parts(parts: Parts, plan: ShardingPlan, remat: bool) -> None:
+def _check_parts(parts: Parts, remat: bool) -> None:
     """What this backend cannot do with a user's parts, refused before any device work."""
     if parts.model is not None:
         user_model.check_module(parts.model)
-        if plan.mesh.tp_size > 1:
-            raise UserError("plan.tp_size", (f"= {plan.mesh.tp_size}: --backend flax does not split a flax.nnx "
-                                             "model of your own over tp; set plan.tp_size=1 (fsdp and dp shard it)"))
         if remat:
             raise UserError("plan.activation_checkpointing", (
                 "--backend flax does not rematerialise the layers of a flax.nnx model of your own; set it (and "

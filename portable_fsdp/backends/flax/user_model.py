@@ -3,7 +3,8 @@
 The module is split into its graph and a flat {dotted path: array} of its nnx.Param values — the form the built-in
 model's parameters take (model.ModelDef) — so the plan places them, the programs differentiate them and the
 checkpoints save them (by those dotted paths, as they are) exactly as the built-in model's. Variables that are not
-nnx.Param (RNG streams, statistics) stay as the module held them: a step neither trains nor advances them.
+nnx.Param (RNG streams, statistics) stay as the module held them: a step neither trains nor advances them. The
+module's `_tp_plan` (transformers' notation, keys relative to the module: `layers.*.up: colwise`) splits it over tp.
 
 It is called as `module(input_ids, position_ids=...)` when its __call__ takes position_ids, else
 `module(input_ids)`, and returns logits [batch, seq, vocab] or an object with `.logits`.
@@ -49,6 +50,11 @@ class UserModelDef:
         module = self.bind(params)
         outputs = module(input_ids, position_ids=positions) if self.takes_positions else module(input_ids)
         return outputs, 0.0
+
+    def plan_name(self, name: str) -> str:
+        """The name a tensor-parallel plan's patterns are matched against: the module's `_tp_plan` keys are
+        relative to the module itself, the whole of which is the "base model" (sharding.BASE_MODEL)."""
+        return sharding.BASE_MODEL + name
 
     # FULL checkpoints keep the parameters by their dotted paths, in the module's own layout.
     def saved_name(self, name: str) -> str:
