@@ -99,6 +99,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_on_resume(tmp_path):
 
     from portable_fsdp.backends.flax import checkpoint
     from portable_fsdp.errors import UserError
+    from portable_fsdp.training.parts import Parts
 
     config = make_config()
     state, _ = train(init_state(config, 1, parts_for(config)), train_batches(config), 1)
@@ -107,6 +108,11 @@ def test_a_checkpoint_of_another_optimizer_is_refused_on_resume(tmp_path):
     with pytest.raises(UserError, match="state of another optimizer") as err:
         checkpoint.load_checkpoint(init_state(config, 1, parts_for(config, optimizer=adam)), tmp_path, {"step": 1})
     assert err.value.field == "train.resume"
+    state, _ = train(init_state(config, 1, Parts(optimizer=sgd_with_momentum())), train_batches(config), 1)
+    (tmp_path / "llama").mkdir()
+    checkpoint.save_checkpoint(state, tmp_path / "llama")  # the built-in model, a user's optimizer
+    with pytest.raises(UserError, match="state of another optimizer"):  # into the built-in AdamW
+        checkpoint.load_checkpoint(init_state(config, 1), tmp_path / "llama", {"step": 1})
 
 
 def test_the_learning_rate_must_be_settable():

@@ -166,6 +166,11 @@ def _optax_state(state: TrainState) -> dict:
     return {"optax_state": _to_host({jax.tree_util.keystr(path): leaf for path, leaf in leaves})}
 
 
+def _another_optimizer(path: pathlib.Path) -> UserError:
+    return UserError("train.resume", (f"{path} holds the state of another optimizer or model; resume with the "
+                                      "optimizer and model it was saved with, or start a new --workdir"))
+
+
 def _load_optax_state(state: TrainState, path: pathlib.Path):
     """The optax state `_optax_state` saved, placed as this state's is; one line when it is another optimizer's."""
     import torch
@@ -174,8 +179,7 @@ def _load_optax_state(state: TrainState, path: pathlib.Path):
     paths, structure = jax.tree_util.tree_flatten_with_path(state.opt_state)
     names = [jax.tree_util.keystr(p) for p, _ in paths]
     if sorted(names) != sorted(saved) or any(saved[n].shape != leaf.shape for n, (_, leaf) in zip(names, paths)):
-        raise UserError("train.resume", (f"{path} holds the state of another optimizer or model; resume with the "
-                                         "optimizer and model it was saved with, or start a new --workdir"))
+        raise _another_optimizer(path)
     host = jax.tree_util.tree_unflatten(structure, [saved[n] for n in names])
     return jax.tree.map(place, host, state.ctx.opt_sharding)
 
@@ -209,6 +213,8 @@ def _load_torch_optimizer_state(state: TrainState, path: pathlib.Path):
 
     ctx = state.ctx
     saved = torch.load(path, weights_only=False)
+    if "state" not in saved:  # a user's optimizer's optax arrays
+        raise _another_optimizer(path)
     per_param = saved["state"]
     names = list(ctx.model_def.variables)
     if not per_param:  # saved before the first step: nothing to restore
