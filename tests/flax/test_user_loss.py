@@ -2,8 +2,9 @@
 Σ sum / Σ count over the accumulated global batch, its gradient that of Σ sum divided once by Σ count, and eval
 returns both sums for the eval layer to divide."""
 import numpy as np
+import pytest
 
-from tests.flax.conftest import flax_losses, init_state, make_config, train_batches
+from tests.flax.conftest import flax_losses, init_state, make_config, needs_devices, train_batches
 from tests.flax.test_parity import FP32_RTOL
 from tests.flax.test_user_model import mlp
 from tests.parity.reference import max_relative_difference
@@ -82,7 +83,21 @@ def test_a_weighted_count_divides_the_accumulated_sums_once():
                                    rtol=1e-5, atol=1e-7)
 
 
-def test_eval_returns_the_sum_and_the_count_of_ones_own_loss():
+@pytest.mark.slow
+@needs_devices(2)
+@pytest.mark.parametrize("overrides", [{"plan.cp_size": 2}, {"plan.sp_size": 2}, {"plan.fsdp_size": 2}])
+def test_a_weighted_count_is_the_same_over_sharded_rows_and_sequences(overrides):
+    """The loss is traced on whole micro-batches: rows over fsdp, the sequence over cp or sp, change nothing."""
+    from portable_fsdp.training.parts import Parts
+
+    config = make_config(ACCUMULATED)
+    one = flax_losses(config, 1, 3, Parts(model=mlp(config.model.vocab_size), loss=weighted))
+    many = flax_losses(make_config({**ACCUMULATED, **overrides}), 2, 3,
+                       Parts(model=mlp(config.model.vocab_size), loss=weighted))
+    assert max_relative_difference(many, one) <= FP32_RTOL
+
+
+def test_eval_and_predict_with_ones_own_loss_and_model():
     from portable_fsdp.backends.flax import step
     from portable_fsdp.data.batch import IGNORE_INDEX
     from portable_fsdp.training.parts import Parts
@@ -94,3 +109,6 @@ def test_eval_returns_the_sum_and_the_count_of_ones_own_loss():
     assert set(result) == {"loss_sum", "count"}
     assert result["count"] == float(np.asarray(weights(batch.labels)).sum())
     assert "count" not in step.eval_step(init_state(config, 1), batch, 1)  # the built-in loss: tokens divide
+    predicted = step.predict_step(state, batch, return_logits=True)
+    assert predicted["predictions"].shape == batch.input_ids.shape
+    assert predicted["logits"].shape == (*batch.input_ids.shape, config.model.vocab_size)
