@@ -58,7 +58,7 @@ def _writer(state: TrainState) -> checkpoint_files.Writer:
 
 def _model_config(state: TrainState, directory: pathlib.Path) -> dict:
     """config.json and generation_config.json, the same beside FULL weights and SHARDED files (see
-    _write_hf_config); {path: None} of them. None for a user's model: it has no transformers config."""
+    _write_hf_config); {path: None} of them. Neither for a user's model: it has no transformers config."""
     ctx = state.ctx
     if ctx.hf_config is None:
         return {}
@@ -186,7 +186,7 @@ def _load_optax_state(state: TrainState, path: pathlib.Path):
 
 def _param_groups(state: TrainState, names_in_torch_order: list) -> list:
     t = state.ctx.config.train
-    lr = state.ctx.schedule(max(state.step - 1, 0))  # the rate of the last step taken, as torch's group holds
+    lr = float(state.ctx.schedule(max(state.step - 1, 0)))  # the rate of the last step taken, as torch's group holds
     decays = {torch_weights.torch_name(n): flag for n, flag in optimizer_lib.decays(state.params).items()}
     common = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "amsgrad": False, "maximize": False,
               "foreach": False, "capturable": False, "differentiable": False, "fused": False,

@@ -118,7 +118,8 @@ def check_learning_rate(opt_state, field: str = "optimizer") -> None:
     keeps it in its state's hyperparams, also inside optax.chain or optax.MultiSteps)."""
     if not optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate"):
         raise UserError(field, ("has no learning_rate the schedule can set each step; wrap it with "
-                                "optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)"))
+                                "optax.inject_hyperparams, e.g. "
+                                "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)"))
 
 
 def with_learning_rate(opt_state, lr):

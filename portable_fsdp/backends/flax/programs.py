@@ -40,7 +40,8 @@ class Programs:
     # loss_sum, count — a user's loss's Σ count, else the label tokens given —, router_loss — coef × the mean
     # load-balancing loss, 0 without one —, grad_norm, finite)
     train: Callable
-    # (params, input_ids, labels, positions [b, s]) -> {"loss_sum": Σ token losses[, "count": a user's loss's Σ count]}
+    # (params, input_ids, labels, positions [b, s]) -> {"loss_sum": Σ token losses[, "count": a user's loss's
+    # Σ count]}
     eval_loss_sum: Callable
     predict: Callable  # (params, input_ids, positions, return_logits) -> {"predictions"[, "logits"]}
 
@@ -49,9 +50,10 @@ def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, pa
           opt_sharding, compute_dtype, loss_chunk_tokens: int = 0, expert_axes: tuple = (),
           user_loss: Callable | None = None) -> Programs:
     """`loss_chunk_tokens` (train.loss_chunk_tokens): the training and eval losses project and reduce that many
-    tokens per device at a time (loss.py; the built-in model and loss only); 0 computes the whole batch's logits. `expert_axes`: what a MoE
-    layer's experts are split over (placement.expert_axes). `model_def`: the built-in model's, or a user
-    module's (user_model.UserModelDef); `user_loss`: the user's `loss(outputs, LossInputs) -> (sum, count)`."""
+    tokens per device at a time (loss.py; the built-in model and loss only); 0 computes the whole batch's logits.
+    `expert_axes`: what a MoE layer's experts are split over (placement.expert_axes). `model_def`: the built-in
+    model's, or a user module's (user_model.UserModelDef); `user_loss`: the user's `loss(outputs, LossInputs) ->
+    (sum, count)`."""
     layout = sharding.Layout(mesh, expert_axes)
     coef = model_def.router_aux_loss_coef
     chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, placement.SEQUENCE_AXES),
