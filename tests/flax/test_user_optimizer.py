@@ -134,7 +134,7 @@ def test_the_learning_rate_must_be_settable():
 
 
 @needs_devices(2)
-def test_the_loop_stops_and_resumes_a_run_of_ones_own_parts_with_the_same_losses(tmp_path):
+def test_the_loop_stops_and_resumes_a_run_of_ones_own_parts_with_the_same_losses(tmp_path, capsys):
     """As the command runs it: a user's model, loss, optimizer and schedule, evaluated (eval_tokens: the loss's
     count) and checkpointed by the loop, stopped at step 2 and resumed: the losses of a run that went straight
     through."""
@@ -157,6 +157,7 @@ def test_the_loop_stops_and_resumes_a_run_of_ones_own_parts_with_the_same_losses
         return read_metrics(workdir)
 
     straight = run(tmp_path / "straight", {})
+    assert "4 (lr from the schedule passed in)" in capsys.readouterr().out  # not the config's train.lr
     run(tmp_path / "split", {"train.stop_at_step": 2})
     resumed = run(tmp_path / "split", {"train.resume": True})
     losses = [[(r["step"], r["loss"], r["lr"]) for r in records if "loss" in r] for records in (straight, resumed)]
