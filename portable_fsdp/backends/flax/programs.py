@@ -91,7 +91,8 @@ def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, pa
             ids, labels, positions = micro
             total, count, balance = losses(p, ids, labels, positions)
             router = coef * balance / micro_batches
-            return total / known + router, (total, 0.0 if count is None else count, router)  # as torch scales it
+            aux = (total, 0.0 if count is None else count, router)
+            return total / known + router, aux  # torch scales each micro-batch's backward so
 
         def accumulate(grad_sum, micro):
             grads, totals = jax.grad(scaled_loss, has_aux=True)(params, micro)
@@ -100,8 +101,9 @@ def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, pa
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (totals, counts, routers) = jax.lax.scan(accumulate, zeros, (input_ids, labels, positions))
-        count = counts.sum() if user_loss is not None else label_tokens
+        count = label_tokens
         if user_loss is not None:
+            count = counts.sum()
             grads = jax.tree.map(lambda g: g / count, grads)
         loss_total, router_loss, grad_norm = totals.sum(), routers.sum(), optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, optimizer_lib.with_learning_rate(opt_state, lr), params)
