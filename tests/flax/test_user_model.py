@@ -158,3 +158,21 @@ def test_what_a_user_module_cannot_do_here_is_refused_by_field():
 
     with pytest.raises(UserError, match="vocab_size attribute"):
         describe_model(make_config(), Parts(model=NoVocabulary()))
+
+
+def test_a_checkpoint_of_another_module_is_refused_on_resume(tmp_path):
+    from flax import nnx
+
+    from examples.custom_model.nnx_mlp import MLPLanguageModel
+    from portable_fsdp.backends.flax import checkpoint
+    from portable_fsdp.errors import UserError
+    from portable_fsdp.training.parts import Parts
+
+    config = make_config()
+    vocab = config.model.vocab_size
+    checkpoint.save_checkpoint(init_state(config, 1, Parts(model=mlp(vocab))), tmp_path)
+    for other in (MLPLanguageModel(vocab, num_layers=3, rngs=nnx.Rngs(0)),  # a layer the checkpoint lacks
+                  MLPLanguageModel(vocab, hidden_size=32, rngs=nnx.Rngs(0))):  # every weight of another shape
+        with pytest.raises(UserError, match="holds no weights of this model's shape") as err:
+            checkpoint.load_checkpoint(init_state(config, 1, Parts(model=other)), tmp_path, {"step": 0})
+        assert err.value.field == "train.resume" and "\n" not in str(err.value)

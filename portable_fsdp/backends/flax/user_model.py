@@ -69,10 +69,12 @@ class UserModelDef:
 
         files = safetensors_shards.weight_files(pathlib.Path(directory), "train.resume")
         stored = {name: array for file in files for name, array in load_file(file).items()}
-        missing = [name for name in self.variables if name not in stored]
-        if missing or not files:
-            raise UserError("train.resume", (f"{directory} lacks the model's weights "
-                                             f"{', '.join(missing[:5]) or '(no .safetensors file)'}"))
+        unmatched = [name for name, shape in self.shapes.items()
+                     if name not in stored or stored[name].shape != shape.shape]
+        if unmatched or not files:
+            raise UserError("train.resume", (
+                f"{directory} holds no weights of this model's shape for "
+                f"{', '.join(unmatched[:5]) or 'any parameter'}; resume with the model it was saved with"))
         return {name: stored[name] for name in self.variables}
 
 
