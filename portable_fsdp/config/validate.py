@@ -80,8 +80,9 @@ def capability_context(config, plan: plan_lib.ShardingPlan, device: str, nproc: 
 
 
 def model_fields(model: ModelInfo | None) -> dict:
-    """The capability table's names for what a model's own config.json decides (capabilities.MODEL_FIELDS)."""
-    if model is None:
+    """The capability table's names for what a model's own config.json decides (capabilities.MODEL_FIELDS). A
+    model of the user's own has no family (model_type ""): no config.json decides anything, no rule reads it."""
+    if model is None or not model.model_type:
         return {}
     return {f"model.{name}": getattr(model, name) for name in capabilities.MODEL_FIELDS}
 

@@ -50,7 +50,8 @@ def run(config, plan, backend, backend_name: str, workdir: pathlib.Path, callbac
     state = backend.init(config, plan, backend_name, parts)
     interrupt = InterruptFlag().install() if config.train.save_on_interrupt else None
     try:
-        result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt, callbacks)
+        result = _train(config, plan, backend, backend_name, pathlib.Path(workdir), state, interrupt, callbacks,
+                        parts.schedule is not None)
     except (UserError, TrainingDiverged, Interrupted):
         async_save.finish()  # a checkpoint still being written in the background is committed first
         backend.finalize(state)  # every rank stops here together: leave the process group cleanly
@@ -65,7 +66,7 @@ def run(config, plan, backend, backend_name: str, workdir: pathlib.Path, callbac
     return result
 
 
-def _train(config, plan, backend, backend_name, workdir, state, interrupt, callbacks) -> dict:
+def _train(config, plan, backend, backend_name, workdir, state, interrupt, callbacks, own_schedule=False) -> dict:
     t = config.train
     where = backend.placement(state)
     is_main = where.rank == 0
@@ -87,7 +88,8 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt, callb
     log = MetricsLog(workdir, is_main, reported)
     log.write({"step": start, "event": "start", **backend.memory_report(state)})  # memory once the model is loaded
     if is_main:
-        print(summary(_startup(config, plan, info, backend_name, where, backend.device_kind(state), workdir)),
+        print(summary(_startup(config, plan, info, backend_name, where, backend.device_kind(state), workdir,
+                               own_schedule)),
               flush=True)
     progress = Progress(t.steps, start, is_main and t.progress_bar)
     profiled = profile_window(t.profile_steps, t.steps)
@@ -195,8 +197,9 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt, callb
     return result
 
 
-def _startup(config, plan, info, backend_name, where, device_kind, workdir) -> dict:
-    """What a run is, printed once by rank 0 before its first step: the head of a log someone reads later."""
+def _startup(config, plan, info, backend_name, where, device_kind, workdir, own_schedule=False) -> dict:
+    """What a run is, printed once by rank 0 before its first step: the head of a log someone reads later.
+    `own_schedule`: the learning rate comes from a schedule passed in, not from train.lr and its shape."""
     mesh = dataclasses.asdict(plan.mesh)
     axes = " x ".join(f"{name.removesuffix('_size')} {size}" for name, size in mesh.items() if size != 1)
     precision = plan.mixed_precision
@@ -210,7 +213,8 @@ def _startup(config, plan, info, backend_name, where, device_kind, workdir) -> d
             "precision": f"compute {precision.param_dtype}, gradient reduction {precision.reduce_dtype}",
             "data": f"{d.source} ({d.format}, tokenizer {d.tokenizer}), {d.seq_len} tokens per sequence, "
                     f"{t.batch_size} sequences per step",
-            "steps": f"{t.steps} (lr {t.lr:g}, {t.lr_schedule}, warm-up {t.warmup_steps})",
+            "steps": f"{t.steps} (lr from the schedule passed in)" if own_schedule else
+                     f"{t.steps} (lr {t.lr:g}, {t.lr_schedule}, warm-up {t.warmup_steps})",
             "workdir": str(workdir)}
 
 

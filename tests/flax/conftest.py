@@ -21,28 +21,40 @@ def make_config(overrides: dict | None = None):
     return matrix.make_config(overrides or {})
 
 
-def init_state(config, world_size: int):
+def init_state(config, world_size: int, parts=None):
+    """`parts`: a portable_fsdp.training.parts.Parts of the user's own (None: the config's)."""
     from portable_fsdp.backends.flax import step
     from portable_fsdp.config.validate import resolve_plan
+    from portable_fsdp.training.parts import NONE
 
-    return step.init(config, resolve_plan(config, world_size), "flax")
+    return step.init(config, resolve_plan(config, world_size), "flax", parts or NONE)
 
 
-def flax_losses(config, world_size: int, steps: int) -> list:
-    """Per-step losses of the flax backend on `world_size` devices, over the loop's own batches."""
-    from portable_fsdp.backends.flax import step
+def train_batches(config):
+    """The loop's own training batches of `config` (`.micro_batches(step, 0, 1)`: one process reads them all)."""
     from portable_fsdp.data.loader import TrainBatches, build_token_data
 
     t = config.train
-    state = init_state(config, world_size)
     data = build_token_data(config.data, config.model.vocab_size, t.batch_size)
     documents_end_at = data.eos_token_id if config.data.document_masking else None
-    batches = TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
-    losses = []
+    return TrainBatches(data.train, t.batch_size, t.grad_accum_steps, config.seed, documents_end_at)
+
+
+def flax_metrics(config, world_size: int, steps: int, parts=None) -> list:
+    """Per-step metrics of the flax backend on `world_size` devices, over the loop's own batches."""
+    from portable_fsdp.backends.flax import step
+
+    state, batches = init_state(config, world_size, parts), train_batches(config)
+    metrics = []
     for index in range(steps):
-        state, metrics = step.train_step(state, batches.micro_batches(index, 0, 1))
-        losses.append(metrics["loss"])
-    return losses
+        state, step_metrics = step.train_step(state, batches.micro_batches(index, 0, 1))
+        metrics.append(step_metrics)
+    return metrics
+
+
+def flax_losses(config, world_size: int, steps: int, parts=None) -> list:
+    """Per-step losses of the flax backend on `world_size` devices, over the loop's own batches."""
+    return [m["loss"] for m in flax_metrics(config, world_size, steps, parts)]
 
 
 @contextlib.contextmanager

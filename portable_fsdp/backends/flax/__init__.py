@@ -4,7 +4,8 @@ The functional surface the neutral loop drives (see portable_fsdp/training/loop.
 jax until one of these functions is first used: the launcher loads this package, then sets up the
 host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
 
-Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx),
+Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx), user_model (a
+flax.nnx model of the user's own, in the built-in model's place), description (the model described, either),
 torch_weights (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
 programs (the jitted update, eval and predict), step (init / train_step / ...), checkpoint, devices,
 resources (memory and matmul rate for the metrics), processes (one JAX process per machine: what changes),
@@ -18,7 +19,7 @@ os.environ.setdefault("USE_TORCH_XLA", "0")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 _DEFINED_IN = {
-    "describe_model": "architecture",
+    "describe_model": "description",
     "save_checkpoint": "checkpoint", "export_weights": "checkpoint",
     "load_checkpoint": "checkpoint",
     "memory_report": "resources",

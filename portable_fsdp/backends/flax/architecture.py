@@ -14,7 +14,6 @@ import dataclasses
 from portable_fsdp.backends.flax.rope import inverse_frequencies
 from portable_fsdp.capabilities import FLAX_FAMILIES
 from portable_fsdp.errors import UserError
-from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ def sliding_windows(hf_config) -> tuple:
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
-def describe_model(config, parts: Parts = NO_PARTS):
+def describe_model(config):
     """ModelInfo for start-up validation, from the same transformers config the torch backends read. A
     family the Flax model does not build is left to the capability table (model.model_type), which refuses it
     by name; a config of a built family that it cannot compute is refused here, before training starts."""

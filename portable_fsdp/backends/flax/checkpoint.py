@@ -6,6 +6,9 @@ model.safetensors.index.json, in train.save_dtype) + `config.json` + `generation
 `from_pretrained` loads, and that every backend resumes from; written one parameter at a time. `optimizer.pt`:
 AdamW's state as torch's full optimizer state dict (`{"state": {torch name: {"step", "exp_avg", "exp_avg_sq"}},
 "param_groups": [...]}`), moments in torch's layout, so a run can resume on another backend.
+A user's flax.nnx model (user_model.py) is saved by its parameters' dotted paths as they are, without config.json;
+with it or with a user's optax transformation, `optimizer.pt` holds the optax state's own arrays
+(`{"optax_state": {path: array}}`): this backend resumes them bit for bit, with the same optimizer.
 SHARDED_STATE_DICT: `sharded/`, orbax's files, each process writing its own shards (sharded.py), beside
 `config.json` and `generation_config.json`; resumes on this backend only, at any device count or mesh.
 Training draws no random numbers: there is no RNG to save.
@@ -22,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_fsdp.backends.flax import torch_weights, optimizer as optimizer_lib, processes, sharded
-from portable_fsdp.backends.flax.sharding import place_all
+from portable_fsdp.backends.flax.sharding import place, place_all
 from portable_fsdp.checkpoint import files as checkpoint_files, layout as checkpointing, safetensors_shards
 from portable_fsdp.backends.flax.step import TrainState
+from portable_fsdp.errors import UserError
 from portable_fsdp.plan import StateDictType
 
 
@@ -47,15 +51,17 @@ def _writer(state: TrainState) -> checkpoint_files.Writer:
     return checkpoint_files.Writer(
         rank=jax.process_index(), full=state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
         weights=functools.partial(_save_weights, state),
-        optimizer_state=functools.partial(_torch_optimizer_state, state) if _portable_state(state) else None,
+        optimizer_state=_optimizer_state_writer(state),
         model_config=lambda directory, full: _model_config(state, directory),
         sharded=functools.partial(sharded.save, state), torch_save=_torch_save)
 
 
 def _model_config(state: TrainState, directory: pathlib.Path) -> dict:
     """config.json and generation_config.json, the same beside FULL weights and SHARDED files (see
-    _write_hf_config); {path: None} of them."""
+    _write_hf_config); {path: None} of them. Neither for a user's model: it has no transformers config."""
     ctx = state.ctx
+    if ctx.hf_config is None:
+        return {}
     _write_hf_config(ctx.hf_config, ctx.info.root_class, directory, ctx.config.train.save_dtype)
     return {directory / name: None for name in ("config.json", "generation_config.json")}
 
@@ -67,28 +73,29 @@ def _torch_save(obj, file) -> None:
 
 
 def _save_weights(state: TrainState, directory: pathlib.Path) -> dict:
-    """The weights in torch's names and layout (no tied lm_head), in train.save_dtype, in shards of
-    train.max_shard_size as save_pretrained writes them: one parameter on the host at a time."""
-    train = state.ctx.config.train
-    flax_of = {torch_weights.torch_name(n): n for n in state.params}
+    """The weights in torch's names and layout (no tied lm_head; a user's model: its own, model_def.saved_name), in
+    train.save_dtype, in shards of train.max_shard_size as save_pretrained writes them: one parameter on the host at
+    a time."""
+    train, model_def = state.ctx.config.train, state.ctx.model_def
+    flax_of = {model_def.saved_name(n): n for n in state.params}
     order = [n for n in state.ctx.torch_names if n in flax_of] + sorted(set(flax_of) - set(state.ctx.torch_names))
     stored = {n: train.save_dtype if jnp.issubdtype(state.params[flax_of[n]].dtype, jnp.floating)
               else str(state.params[flax_of[n]].dtype) for n in order}
-    entries = [safetensors_shards.Tensor(n, stored[n], _torch_shape(flax_of[n], state.params[flax_of[n]].shape))
-               for n in order]
+    entries = [safetensors_shards.Tensor(n, stored[n], _saved_shape(model_def, flax_of[n],
+                                                                     state.params[flax_of[n]].shape)) for n in order]
     writer = safetensors_shards.Writer(directory, entries, safetensors_shards.parse_size(train.max_shard_size),
                                        jax.process_index(), jax.process_count())
     for name in order:
         host = _to_host({name: state.params[flax_of[name]]})[name]  # several processes: a collective
         if writer.owner(name) == jax.process_index():
-            array = torch_weights.to_torch_layout(flax_of[name], host).astype(_numpy_dtype(stored[name]))
+            array = model_def.saved_layout(flax_of[name], host).astype(_numpy_dtype(stored[name]))
             writer.write(name, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     return writer.close()
 
 
-def _torch_shape(flax_name: str, shape) -> tuple:
-    """The torch layout's shape, from a zero-stride view (no memory)."""
-    return tuple(torch_weights.to_torch_layout(flax_name, np.broadcast_to(np.zeros((), np.uint8), shape)).shape)
+def _saved_shape(model_def, flax_name: str, shape) -> tuple:
+    """The saved layout's shape, from a zero-stride view (no memory)."""
+    return tuple(model_def.saved_layout(flax_name, np.broadcast_to(np.zeros((), np.uint8), shape)).shape)
 
 
 def _numpy_dtype(name: str):
@@ -107,13 +114,15 @@ def load_checkpoint(state: TrainState, directory: pathlib.Path, manifest: dict) 
         params, opt_state = sharded.load(state, directory)
         return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
     ctx = state.ctx
-    host = torch_weights.read_safetensors_dir(directory, ctx.model_def.variables, ctx.model_def.arch)
+    host = ctx.model_def.read_saved(directory)
     # a bfloat16 export (train.save_dtype) resumes into the training dtype
     host = {name: value.astype(state.params[name].dtype) for name, value in host.items()}
     params = place_all(host, ctx.param_sharding)
     opt_state = state.opt_state
     if (directory / checkpointing.OPTIMIZER).exists() and _portable_state(state):
         opt_state = _load_torch_optimizer_state(state, directory / checkpointing.OPTIMIZER)
+    elif (directory / checkpointing.OPTIMIZER).exists() and not ctx.torch_optimizer_state:
+        opt_state = _load_optax_state(state, directory / checkpointing.OPTIMIZER)
     return dataclasses.replace(state, params=params, opt_state=opt_state, step=manifest["step"])
 
 
@@ -136,13 +145,48 @@ def _write_hf_config(hf_config, model_class: str, directory: pathlib.Path, dtype
 
 
 def _portable_state(state: TrainState) -> bool:
-    """Whether FULL checkpoints carry the optimizer's state: AdamW's only (docs/capabilities.md)."""
-    return state.ctx.config.train.optimizer == "adamw"
+    """Whether FULL checkpoints carry the optimizer's state as torch's: the built-in AdamW's only
+    (docs/capabilities.md)."""
+    return state.ctx.torch_optimizer_state and state.ctx.config.train.optimizer == "adamw"
+
+
+def _optimizer_state_writer(state: TrainState):
+    """What gathers optimizer.pt's content: torch's AdamW state dict, a user's optimizer or model's optax arrays,
+    or None (a named optimizer other than AdamW: a resume restarts it)."""
+    if _portable_state(state):
+        return functools.partial(_torch_optimizer_state, state)
+    if not state.ctx.torch_optimizer_state:
+        return functools.partial(_optax_state, state)
+    return None
+
+
+def _optax_state(state: TrainState) -> dict:
+    """{"optax_state": {path: numpy array}}: every array of the optax state, whole, by its path in the tree."""
+    leaves = jax.tree_util.tree_leaves_with_path(state.opt_state)
+    return {"optax_state": _to_host({jax.tree_util.keystr(path): leaf for path, leaf in leaves})}
+
+
+def _another_optimizer(path: pathlib.Path) -> UserError:
+    return UserError("train.resume", (f"{path} holds the state of another optimizer or model; resume with the "
+                                      "optimizer and model it was saved with, or start a new --workdir"))
+
+
+def _load_optax_state(state: TrainState, path: pathlib.Path):
+    """The optax state `_optax_state` saved, placed as this state's is; one line when it is another optimizer's."""
+    import torch
+
+    saved = torch.load(path, weights_only=False).get("optax_state", {})
+    paths, structure = jax.tree_util.tree_flatten_with_path(state.opt_state)
+    names = [jax.tree_util.keystr(p) for p, _ in paths]
+    if sorted(names) != sorted(saved) or any(saved[n].shape != leaf.shape for n, (_, leaf) in zip(names, paths)):
+        raise _another_optimizer(path)
+    host = jax.tree_util.tree_unflatten(structure, [saved[n] for n in names])
+    return jax.tree.map(place, host, state.ctx.opt_sharding)
 
 
 def _param_groups(state: TrainState, names_in_torch_order: list) -> list:
     t = state.ctx.config.train
-    lr = state.ctx.schedule(max(state.step - 1, 0))  # the rate of the last step taken, as torch's group holds
+    lr = float(state.ctx.schedule(max(state.step - 1, 0)))  # the rate of the last step taken, as torch's group holds
     decays = {torch_weights.torch_name(n): flag for n, flag in optimizer_lib.decays(state.params).items()}
     common = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "amsgrad": False, "maximize": False,
               "foreach": False, "capturable": False, "differentiable": False, "fused": False,
@@ -169,6 +213,8 @@ def _load_torch_optimizer_state(state: TrainState, path: pathlib.Path):
 
     ctx = state.ctx
     saved = torch.load(path, weights_only=False)
+    if "state" not in saved:  # a user's optimizer's optax arrays
+        raise _another_optimizer(path)
     per_param = saved["state"]
     names = list(ctx.model_def.variables)
     if not per_param:  # saved before the first step: nothing to restore

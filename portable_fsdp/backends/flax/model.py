@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from portable_fsdp.backends.flax import torch_weights
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum
 from portable_fsdp.backends.flax.sharding import Layout
@@ -245,7 +246,7 @@ def dotted(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
-def _path(name: str) -> tuple:
+def undotted(name: str) -> tuple:
     """The inverse of `dotted`: list indices are ints in nnx paths."""
     return tuple(int(part) if part.isdigit() else part for part in name.split("."))
 
@@ -262,9 +263,29 @@ class ModelDef:
     def shapes(self) -> dict:
         return {name: var.get_value() for name, var in self.variables.items()}
 
+    @property
+    def router_aux_loss_coef(self) -> float:
+        return self.arch.router_aux_loss_coef
+
     def bind(self, params: dict) -> LlamaForCausalLM:
-        state = nnx.from_flat_state({_path(name): var.replace(params[name]) for name, var in self.variables.items()})
+        state = nnx.from_flat_state({undotted(name): var.replace(params[name])
+                                     for name, var in self.variables.items()})
         return nnx.merge(self.graphdef, state)
+
+    def plan_name(self, name: str) -> str:
+        """The transformers name a tensor-parallel plan's patterns are matched against."""
+        return torch_weights.torch_name(name)
+
+    # FULL checkpoints keep the parameters in torch's names and layout (torch_weights.py).
+    def saved_name(self, name: str) -> str:
+        return torch_weights.torch_name(name)
+
+    def saved_layout(self, name: str, array):
+        return torch_weights.to_torch_layout(name, array)
+
+    def read_saved(self, directory) -> dict:
+        """{flax name: numpy array} of a FULL checkpoint's weights."""
+        return torch_weights.read_safetensors_dir(directory, self.variables, self.arch)
 
     def apply(self, params: dict, input_ids, positions, layout: Layout = NO_LAYOUT):
         """Logits [b, s, vocab] in the parameters' dtype."""

@@ -10,8 +10,10 @@ names (backends/hf_torch/optimizer.py build_optimizer).
   (L2), so add_decayed_weights comes before optax.sgd.
 - Adafactor: torch.optim.Adafactor's definition rebuilt from optax's parts (`adafactor_like_torch`): optax.adafactor
   factors only dimensions of at least 128, decays weights without the learning rate and has no step-size cap.
-- The learning rate is a hyperparameter set before every step from portable_fsdp.training.schedule, so both
-  backends read the same number.
+- The learning rate is a hyperparameter set before every step from portable_fsdp.training.schedule (or the user's
+  schedule), so both backends read the same number.
+- A user's own optax transformation (portable_fsdp/training/parts.py) takes the named optimizer's place, after the
+  same clipping; it must be made with optax.inject_hyperparams, so that its learning rate can be set.
 Gradient accumulation is not optax.MultiSteps: that averages per micro-batch; step.py sums token
 losses over the whole accumulated batch and divides once by its label-token count.
 """
@@ -22,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+
+from portable_fsdp.errors import UserError
 
 TORCH_CLIP_EPS = 1e-6
 
@@ -93,10 +97,29 @@ def _named(train_cfg) -> optax.GradientTransformation:
                                mask=decays)
 
 
-def build(train_cfg) -> optax.GradientTransformation:
+def build(train_cfg, own: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
+    """train.optimizer, or the user's own transformation `own`, after clipping as train.max_grad_norm says."""
+    chosen = _named(train_cfg) if own is None else own
     if train_cfg.max_grad_norm > 0:
-        return optax.chain(clip_by_global_norm_like_torch(train_cfg.max_grad_norm), _named(train_cfg))
-    return optax.chain(_named(train_cfg))
+        return optax.chain(clip_by_global_norm_like_torch(train_cfg.max_grad_norm), chosen)
+    return optax.chain(chosen)
+
+
+def check_own(own, field: str = "optimizer") -> None:
+    """A user's optimizer must be an optax transformation whose learning rate the step can set."""
+    if not isinstance(own, optax.GradientTransformation):
+        raise UserError(field, (f"{type(own).__name__} is not an optax GradientTransformation; --backend flax "
+                                "takes one made with optax.inject_hyperparams, e.g. "
+                                "optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)"))
+
+
+def check_learning_rate(opt_state, field: str = "optimizer") -> None:
+    """The schedule sets `learning_rate` before every step: the state must hold it (optax.inject_hyperparams
+    keeps it in its state's hyperparams, also inside optax.chain or optax.MultiSteps)."""
+    if not optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate"):
+        raise UserError(field, ("has no learning_rate the schedule can set each step; wrap it with "
+                                "optax.inject_hyperparams, e.g. "
+                                "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)"))
 
 
 def with_learning_rate(opt_state, lr):

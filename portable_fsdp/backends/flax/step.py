@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_fsdp.backends.flax import (architecture, torch_weights, devices as devices_lib, initial, model as model_lib,
+from portable_fsdp.backends.flax import (description, devices as devices_lib, initial, model as model_lib,
                                          optimizer as optimizer_lib, processes, programs as programs_lib,
-                                         resources, sharding)
+                                         resources, sharding, user_model)
 from portable_fsdp.data.batch import Batch
 from portable_fsdp.errors import require_finite
 from portable_fsdp.backend import ModelInfo, Placement
@@ -49,8 +49,11 @@ class Context:
     param_sharding: dict
     opt_sharding: object
     programs: programs_lib.Programs
-    schedule: object
+    schedule: object  # step -> learning rate: the config's, or the user's
     baseline_mb: tuple = ()  # per device of the mesh: its memory before the model existed (resources.py)
+    # FULL checkpoints hold the optimizer's state as torch's AdamW state dict (the built-in model and AdamW), else
+    # as the optax state's own arrays (a user's model or optimizer; checkpoint.py)
+    torch_optimizer_state: bool = True
 
 
 @dataclasses.dataclass
@@ -62,33 +65,50 @@ class TrainState:
 
 
 def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
-    if parts.given():
-        raise UserError(parts.given()[0], f"is not taken by the {backend} backend yet; leave it out")
+    """`parts`: a flax.nnx module, a loss, an optax transformation and a schedule of the user's own, each in
+    place of the config's (portable_fsdp/training/parts.py)."""
+    remat = plan.activation_checkpointing or config.train.gradient_checkpointing
+    _check_parts(parts, remat)
     devices = devices_lib.take(plan.mesh.data_parallel_size * plan.mesh.sequence_size * plan.mesh.tp_size)
     if plan.mixed_precision.param_dtype == "float32":
         # float32 means float32: a GPU would otherwise multiply in TF32, a TPU in one bfloat16 pass
         jax.config.update("jax_default_matmul_precision", "highest")
     mesh = sharding.build_mesh(plan.mesh, devices)
     baseline_mb = tuple(resources.device_memory_mb(device)["mem_mb"] for device in resources.reported_devices(mesh))
-    remat = plan.activation_checkpointing or config.train.gradient_checkpointing
-    weights = initial.prepare(config, remat)
+    weights = initial.prepare(config, remat) if parts.model is None else user_model.prepare(parts.model)
     model_def, hf_config, torch_names = weights.model_def, weights.hf_config, weights.torch_names
-    info = architecture.describe_model(config)
+    info = description.describe_model(config, parts)
     experts_over = expert_axes(plan.mesh)
     param_sharding = sharding.param_shardings(model_def.shapes, mesh, tensor_parallel_plan(plan, info),
-                                              torch_weights.torch_name, experts_over)
+                                              model_def.plan_name, experts_over)
     params = weights.place(param_sharding)
     del weights  # a model built whole (initial.built_whole) leaves the host here
-    optimizer = optimizer_lib.build(config.train)
-    opt_sharding = sharding.optimizer_shardings(jax.eval_shape(optimizer.init, params), model_def.shapes,
-                                                param_sharding, mesh)
+    optimizer = optimizer_lib.build(config.train, parts.optimizer)
+    abstract_opt_state = jax.eval_shape(optimizer.init, params)
+    optimizer_lib.check_learning_rate(abstract_opt_state)
+    opt_sharding = sharding.optimizer_shardings(abstract_opt_state, model_def.shapes, param_sharding, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
     compute_dtype = COMPUTE_DTYPES[plan.mixed_precision.param_dtype]
+    # A chunked loss projects the built-in model's hidden states itself: a user's model or loss sees whole logits.
+    chunk_tokens = config.train.loss_chunk_tokens if parts.model is None and parts.loss is None else 0
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding, compute_dtype,
-                                  config.train.loss_chunk_tokens, experts_over)
+                                  chunk_tokens, experts_over, parts.loss)
     ctx = Context(config, plan, info, hf_config, torch_names, model_def, mesh, param_sharding, opt_sharding, programs,
-                  schedule_for(config.train), baseline_mb)
+                  parts.schedule or schedule_for(config.train), baseline_mb,
+                  torch_optimizer_state=parts.model is None and parts.optimizer is None)
     return TrainState(params, opt_state, 0, ctx)
+
+
+def _check_parts(parts: Parts, remat: bool) -> None:
+    """What this backend cannot do with a user's parts, refused before any device work."""
+    if parts.model is not None:
+        user_model.check_module(parts.model)
+        if remat:
+            raise UserError("plan.activation_checkpointing", (
+                "--backend flax does not rematerialise the layers of a flax.nnx model of your own; set it (and "
+                "train.gradient_checkpointing) to false, or wrap the model's layers with nnx.remat yourself"))
+    if parts.optimizer is not None:
+        optimizer_lib.check_own(parts.optimizer)
 
 
 def _positions(batch: Batch) -> np.ndarray:
@@ -109,10 +129,11 @@ def train_step(state: TrainState, micro_batches: list) -> tuple:
     if processes.several():
         tokens = processes.total(tokens)
     stacked = [np.stack(parts) for parts in zip(*[(b.input_ids, b.labels, _positions(b)) for b in micro_batches])]
-    lr = ctx.schedule(state.step)
+    lr = float(ctx.schedule(state.step))
     params, opt_state, out = ctx.programs.train(state.params, state.opt_state, *_on_devices(stacked, ctx.mesh, 1),
                                                 jnp.float32(max(tokens, 1)), jnp.float32(lr))
-    loss = float(out["loss_sum"]) / max(tokens, 1) + float(out["router_loss"])  # MoE: + its load-balancing loss
+    # Σ token losses / label tokens (a user's loss: Σ sum / Σ count); MoE: + its load-balancing loss
+    loss = float(out["loss_sum"]) / float(out["count"]) + float(out["router_loss"])
     grad_norm, finite = float(out["grad_norm"]), bool(out["finite"])
     require_finite(state.step + 1, loss, grad_norm, ctx.config.train.nonfinite)  # the program already skipped it
     metrics = {"loss": loss, "tokens": int(tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
@@ -126,9 +147,10 @@ def count_label_tokens(state: TrainState, batch: Batch) -> int:
 
 
 def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
-    """{"loss_sum": Σ token losses of the global batch}; the eval layer divides by Σ num_items_in_batch."""
+    """{"loss_sum": Σ token losses of the global batch}; the eval layer divides by Σ num_items_in_batch (a user's
+    loss: also its Σ "count", which the eval layer divides by instead)."""
     arrays = _on_devices([batch.input_ids, batch.labels, _positions(batch)], state.ctx.mesh, 0)
-    return {"loss_sum": float(state.ctx.programs.eval_loss_sum(state.params, *arrays))}
+    return {key: float(value) for key, value in state.ctx.programs.eval_loss_sum(state.params, *arrays).items()}
 
 
 def predict_step(state: TrainState, batch: Batch, return_logits: bool = False, preprocess_logits=None) -> dict:
