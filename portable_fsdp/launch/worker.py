@@ -47,7 +47,9 @@ def _main(spec: dict) -> dict:
     try:
         plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
         job = JOBS[spec.get("job", "train")]
-        extra = {key: spec[key] for key in ("callbacks", "parts") if spec.get(key)}
+        extra = {"callbacks": spec["callbacks"]} if spec.get("callbacks") else {}
+        if spec.get("parts") and spec["parts"].given():  # only the training loop takes them
+            extra["parts"] = spec["parts"]
         return job(config, plan, backends.load(spec["backend"]), spec["backend"], spec["workdir"], **extra)
     except UserError as err:
         print(f"{err.line()} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
