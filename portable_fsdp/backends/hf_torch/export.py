@@ -63,7 +63,10 @@ def write_model_config(model, model_class: str, directory: pathlib.Path, save_dt
 
 def model_config(model, model_class: str, directory: pathlib.Path, save_dtype: str, full: bool) -> dict:
     """A checkpoint's model config (portable_fsdp.checkpoint.files.Writer.model_config): beside FULL weights,
-    `write_model_config`'s files; beside SHARDED files, the model's config.json as it is. Returns {path: None}."""
+    `write_model_config`'s files; beside SHARDED files, the model's config.json as it is. Returns {path: None}.
+    A user's module has no transformers config: its weights alone (a resume matches them by name and shape)."""
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        return {}
     if full:
         return write_model_config(model, model_class, directory, save_dtype)
     model.config.save_pretrained(directory)

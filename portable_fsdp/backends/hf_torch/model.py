@@ -13,7 +13,7 @@ import torch
 
 from portable_fsdp.checkpoint import layout as checkpointing, safetensors_shards
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.backends.hf_torch import deferred_init, experts
+from portable_fsdp.backends.hf_torch import custom_model, deferred_init, experts
 from portable_fsdp.errors import UserError
 from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
@@ -92,6 +92,9 @@ def _hub_offline() -> bool:
 
 
 def describe_model(config, parts: Parts = NO_PARTS) -> ModelInfo:
+    """The ModelInfo of the run's model: the user's module when one is passed in, else the config's."""
+    if parts.model is not None:
+        return custom_model.describe(parts.model)
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(config.model)
