@@ -57,12 +57,10 @@ def describe(module: nn.Module) -> ModelInfo:
 
 
 def on_meta(module: nn.Module, seed: int):
-    """An hf_torch.model.OnMeta for a module whose parameters are on the meta device: its `init_weights()` (else
+    """A deferred_init.OnMeta for a module whose parameters are on the meta device: its `init_weights()` (else
     every submodule's `reset_parameters()`) replayed from `seed`, one parameter at a time — every rank draws the
     values of `torch.manual_seed(seed); module.to_empty(device="cpu"); init()`. None for a built module (its
     weights are the ones trained)."""
-    from portable_fsdp.backends.hf_torch.model import OnMeta
-
     if not any(p.is_meta for p in module.parameters()):
         return None
     meta_buffers = [name for name, b in module.named_buffers() if b.is_meta]
@@ -75,7 +73,7 @@ def on_meta(module: nn.Module, seed: int):
         raise UserError("model", (f"{type(module).__name__} on the meta device cannot be initialised shard by shard "
                                   f"({why}): give it an init_weights() that writes every parameter, or build it "
                                   "on the CPU")) from None
-    return OnMeta(module, lambda deliver: deferred_init.replay(recording, seed, deliver), dict(module.named_buffers()))
+    return deferred_init.OnMeta(module, lambda deliver: deferred_init.replay(recording, seed, deliver), dict(module.named_buffers()))
 
 
 def _init_function(module: nn.Module):

@@ -153,6 +153,16 @@ def _recording(recorder: _Recorder, model) -> Recording:
     return recording
 
 
+@dataclasses.dataclass
+class OnMeta:
+    """A model built on the meta device, how to fill it and its computed buffers. `fill(deliver)` calls
+    `deliver(names, full)` once per parameter, in turn, with its full fp32 value (the tied names together)."""
+
+    model: torch.nn.Module
+    fill: object
+    buffers: dict
+
+
 def _numel(shape) -> int:
     n = 1
     for size in shape:

@@ -9,6 +9,7 @@ import pathlib
 import torch
 
 from portable_fsdp.checkpoint import safetensors_shards
+from portable_fsdp.errors import UserError
 
 # Wrappers' parts of parameter names that state dicts leave out (activation checkpointing, torch.compile, FSDP1).
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -28,6 +29,13 @@ def tied_copies(model) -> set:
             copies.add(clean_name(name))
         seen.add(id(param))
     return copies
+
+
+def require_shape(directory, name: str, stored: list, shape) -> None:
+    """A resume fills a parameter only from a tensor of its shape: another model's weight is one line."""
+    if tuple(stored) != tuple(shape):
+        raise UserError("train.resume", (f"the weights in {directory} hold {name} of shape {tuple(stored)}, the model's "
+                                         f"is {tuple(shape)}: another model"))
 
 
 def stored_dtype(tensor: torch.Tensor, save_dtype: str) -> torch.dtype:

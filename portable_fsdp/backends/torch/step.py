@@ -131,7 +131,7 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
 
 
 def _build_model(config, plan: ShardingPlan, meshes: Meshes, runtime, parts: Parts) -> tuple:
-    """(the model, its hf_torch.model.OnMeta when each rank fills its own shards once it is sharded, else None).
+    """(the model, its hf_torch.deferred_init.OnMeta when each rank fills its own shards once it is sharded, else None).
     Sharded, every rank builds the config's model on the meta device; a user's module is taken as it is given,
     built or on the meta device (then initialised by its own init, seeded by train.seed)."""
     sharded = shards(plan, meshes, runtime.device.type)

@@ -122,6 +122,7 @@ def _load_full(state, directory: pathlib.Path) -> None:
                 for key in f.keys():
                     if key in by_name:
                         n = by_name[key]
+                        export.require_shape(directory, key, f.get_slice(key).get_shape(), n.shape)
                         n.param.data = full_state.place(ctx.runtime, n.param, f.get_tensor(key))
                         found.add(key)
     missing = [name for name in by_name if name not in found]
