@@ -96,7 +96,7 @@ def test_a_module_without_a_vocabulary_is_one_line():
 def test_a_sequence_split_of_a_custom_module_is_one_line(field):
     plan = resolve_plan(make_config({field: "2"}), 2)
     with pytest.raises(UserError, match=rf"^{field}: is 2, but a model passed in runs its own attention"):
-        custom_model.check_plan(plan)
+        custom_model.check_run(MLPLanguageModel(), make_config({}), plan)
 
 
 def test_a_loss_that_returns_no_pair_is_one_line():

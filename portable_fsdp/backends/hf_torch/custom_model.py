@@ -109,9 +109,15 @@ def logits_of(outputs) -> torch.Tensor:
     return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
 
 
-def check_plan(plan) -> None:
-    """Context and sequence parallelism replace transformers' attention, which a user's module does not call."""
+def check_run(model, config, plan) -> None:
+    """Before anything starts: a user's `model` is a torch.nn.Module, and the run asks nothing of it that only a
+    transformers model has — context and sequence parallelism replace transformers' attention, which a user's
+    module does not call; train.gradient_checkpointing is transformers' own switch."""
+    require_module(model)
     for field, size in (("plan.cp_size", plan.mesh.cp_size), ("plan.sp_size", plan.mesh.sp_size)):
         if size > 1:
             raise UserError(field, (f"is {size}, but a model passed in runs its own attention, which the sequence "
                                     "split cannot reach: set it to 1 (fsdp and tp apply)"))
+    if config.train.gradient_checkpointing:
+        raise UserError("train.gradient_checkpointing", ("is transformers' own checkpointing; for a model passed in "
+                                                         "set plan.activation_checkpointing=true instead"))

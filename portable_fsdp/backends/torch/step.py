@@ -40,7 +40,6 @@ from portable_fsdp.data.batch import Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
-from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 from portable_fsdp.training.sequence_split import gathered_order
@@ -85,11 +84,7 @@ class TrainState:
 def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
     """`parts`: the user's model, loss, optimizer factory and schedule, each in place of the config's."""
     if parts.model is not None:  # before any process group: a wrong part is one line
-        custom_model.require_module(parts.model)
-        custom_model.check_plan(plan)
-        if config.train.gradient_checkpointing:
-            raise UserError("train.gradient_checkpointing", ("is transformers' own checkpointing; for a model passed "
-                                                             "in set plan.activation_checkpointing=true instead"))
+        custom_model.check_run(parts.model, config, plan)
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
     if runtime.device.type == "cpu" or plan.cpu_offload:  # a step that computes on host memory
         host_allocator.keep_freed_blocks()

@@ -90,7 +90,7 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
 def _portable_state(state) -> bool:
     """Whether FULL checkpoints carry the optimizer's state: AdamW's only, whose moments are gathered and placed
     like their parameters (docs/capabilities.md; SHARDED ones are refused for the others)."""
-    return state.ctx.config.train.optimizer == "adamw"
+    return state.ctx.config.train.optimizer == "adamw" and not state.ctx.own_optimizer
 
 
 def _full_optimizer_state(state) -> dict:
