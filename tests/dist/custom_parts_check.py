@@ -1,5 +1,6 @@
 """Run under torchrun (gloo): train each named scenario of tests/parity/custom_parts.py for N steps with the
-user's parts, every rank passing its own, and write rank 0's per-step losses and learning rates to JSON.
+user's parts, every rank passing its own, and write rank 0's per-step losses, learning rates and the parameters
+tensor parallelism splits to JSON.
 `resume_full` / `resume_sharded`: the mlp_parts scenario straight, and stopped at N/2 with a checkpoint of that
 layout, then resumed into a fresh state.
 
@@ -10,6 +11,7 @@ import sys
 import tempfile
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import portable_fsdp as pf
 from portable_fsdp.data.loader import TrainBatches, build_token_data
@@ -40,10 +42,20 @@ def train(backend, config, state, first: int, last: int) -> tuple:
     return state, losses, lrs
 
 
+def split_over_tp(model) -> list:
+    """The parameters a tp mesh dimension splits."""
+    split = []
+    for name, p in model.named_parameters():
+        dims = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        if "tp" in dims and p.placements[dims.index("tp")].is_shard():
+            split.append(name)
+    return split
+
+
 def run(name: str, steps: int, backend) -> dict:
     config, _, state = start(name)
-    _, losses, lrs = train(backend, config, state, 0, steps)
-    return {"losses": losses, "lrs": lrs}
+    state, losses, lrs = train(backend, config, state, 0, steps)
+    return {"losses": losses, "lrs": lrs, "split_over_tp": split_over_tp(state.model)}
 
 
 def resume(layout: str, steps: int, backend) -> dict:

@@ -16,7 +16,7 @@ STEPS = 8
 FP32_RTOL = 1e-5  # a sharded run against one process (tests/dist/test_fsdp_parity.py)
 SAME_LOSS_RTOL = 1e-6  # the built-in loss and a custom loss computing the same: only the rounding differs
 DEFAULT = ["mlp_meta", "mlp_parts", "token_mean_accum2", "builtin_accum2", "weighted_cp2", "resume_full"]
-SLOW = ["mlp_built", "builtin", "token_mean", "builtin_cp2", "token_mean_cp2", "resume_sharded"]
+SLOW = ["mlp_built", "mlp_tp2", "builtin", "token_mean", "builtin_cp2", "token_mean_cp2", "resume_sharded"]
 
 
 def run(tmp_path, names: list) -> dict:
@@ -66,9 +66,15 @@ def test_full_checkpoint_of_custom_parts_resumes_bit_exactly(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp_built", "builtin", "token_mean", "builtin_cp2", "token_mean_cp2"])
+@pytest.mark.parametrize("name", ["mlp_built", "mlp_tp2", "builtin", "token_mean", "builtin_cp2", "token_mean_cp2"])
 def test_more_custom_parts_match_one_process(slow_results, name):
     check_against_one_process(slow_results[name], name)
+
+
+@pytest.mark.slow
+def test_a_custom_modules_tp_plan_splits_it(slow_results):
+    assert sorted(slow_results["mlp_tp2"]["split_over_tp"]) == sorted(
+        f"layers.{i}.{name}" for i in range(2) for name in ("up.weight", "up.bias", "down.weight"))
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ SCENARIOS = {
     "mlp_meta": Scenario({}, model="mlp_meta"),
     "mlp_built": Scenario({}, model="mlp_built"),
     "mlp_parts": Scenario({}, model="mlp_meta", loss=token_mean_loss, optimizer=sgd, schedule=halving),
+    "mlp_tp2": Scenario({"plan.tp_size": "2"}, model="mlp_meta", loss=token_mean_loss),  # the module's _tp_plan
     "builtin": Scenario({}),
     "token_mean": Scenario({}, loss=token_mean_loss),
     "builtin_accum2": Scenario(ACCUM2),
