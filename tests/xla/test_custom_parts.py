@@ -1,8 +1,8 @@
 """A user's parts on the xla backend (SPMD FSDPv2 over 2 PJRT CPU devices): a non-transformers module built on the
 meta device with a custom loss, SGD with momentum and a schedule, against one plain-torch process (as the cpu
 backend is: tests/dist/test_custom_parts.py); a FULL checkpoint of a custom module resumed bit for bit (AdamW,
-whose state xla's checkpoints keep); the refusals of what xla cannot take. Slow: a custom loss on the
-transformers model under accumulation."""
+whose state xla's checkpoints keep); the refusals of what xla cannot take. Slow: a module built on the CPU, and
+custom losses on the transformers model under accumulation and context parallelism."""
 import pytest
 
 from tests.parity.custom_parts import reference_losses
@@ -55,7 +55,18 @@ def test_an_optimizer_passed_in_is_saved_full_only(results):
         "this optimizer's state starts afresh"]
 
 
+SLOW = ["mlp_built", "token_mean_accum2", "weighted_cp2"]
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("xla_custom_slow"), SLOW)
+
+
 @pytest.mark.slow
-def test_custom_loss_under_accumulation_matches_one_process(tmp_path):
-    result = run(tmp_path, ["token_mean_accum2"])["token_mean_accum2"]
-    assert max_relative_difference(result["losses"], reference_losses("token_mean_accum2", STEPS)["losses"]) <= FP32_RTOL
+@pytest.mark.parametrize("name", SLOW)
+def test_more_custom_parts_match_one_process(slow_results, name):
+    """A module built on the CPU; a custom loss on the transformers model under accumulation, and one with another
+    count under context parallelism."""
+    reference = reference_losses(name, STEPS)["losses"]
+    assert max_relative_difference(slow_results[name]["losses"], reference) <= FP32_RTOL
