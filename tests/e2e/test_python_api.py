@@ -27,11 +27,14 @@ def python(code: str, cwd, timeout=300):
 
 def test_the_readme_custom_loop_runs_as_written(tmp_path):
     code = readme_example()
-    assert len(code.splitlines()) <= 25
+    assert len(code.splitlines()) <= 30
+    assert "loss=loss" in code and "optimizer=" in code  # the example shows a loss and an optimizer of one's own
     proc = python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [float(line.split()[1]) for line in proc.stdout.splitlines() if re.fullmatch(r"\d+ \d+\.\d+", line)]
+    lines = [line.split() for line in proc.stdout.splitlines() if re.fullmatch(r"\d+ \d+\.\d+ lr=\S+", line)]
+    losses = [float(line[1]) for line in lines]
     assert len(losses) == 10 and losses[-1] < losses[0]
+    assert [line[2] for line in lines[:4]] == ["lr=0.017", "lr=0.033", "lr=0.050", "lr=0.050"]  # the schedule's
     assert "'eval_loss'" in proc.stdout
     assert (tmp_path / "runs" / "my-loop" / "checkpoints" / "step_00000010" / "manifest.json").exists()
     assert "[Gloo]" not in proc.stdout + proc.stderr
@@ -102,3 +105,35 @@ def test_callbacks_see_each_step_and_early_stopping_ends_the_run_with_a_checkpoi
     assert result["summary"]["stopped"] == "early stopping: no better eval_loss in 2 evals"
     assert result["saves"] == ["w/checkpoints/step_00000003"]
     assert (tmp_path / "w" / "checkpoints" / "step_00000003" / "manifest.json").exists()
+
+
+OWN_PARTS = """
+import json
+import torch
+import portable_fsdp as pf
+from examples.custom_model.torch_mlp import MLPLanguageModel, token_mean_loss
+
+def run(steps, resume):
+    config = pf.get_config("llama_tiny:test", {"train.steps": steps, "train.log_every": 1, "train.save_every": 2,
+                                               "train.eval_every": 2, "train.resume": resume})
+    with torch.device("meta"):
+        model = MLPLanguageModel(vocab_size=config.model.vocab_size)
+    return pf.train(config, backend="cpu", workdir="w", model=model, loss=token_mean_loss,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=1.0, momentum=0.9),
+                    schedule=lambda step: 0.1 / (1 + step))
+
+print(json.dumps([run(4, False), run(6, True)]))
+"""
+
+
+def test_train_takes_a_users_model_loss_optimizer_and_schedule_and_resumes(tmp_path):
+    proc = python(OWN_PARTS, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first["steps"].startswith("0 -> 4") and resumed["steps"].startswith("4 -> 6")
+    steps = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in steps if "lr" in r}
+    assert lrs == {step: 0.1 / step for step in range(1, 7)}  # metrics of step s: the update made at step s - 1
+    assert any("eval_loss" in r for r in steps)
+    checkpoint = tmp_path / "w" / "checkpoints" / "step_00000004"
+    assert (checkpoint / "model.safetensors").exists() and not (checkpoint / "config.json").exists()

@@ -108,7 +108,7 @@ def forward_annotations(state, batch) -> list:
     from portable_fsdp.backends.xla.step import _loss_sum, _to_device
 
     with torch.no_grad():
-        loss = _loss_sum(state.ctx, state.model, *_to_device(state.ctx, batch))
+        loss, _ = _loss_sum(state.ctx, state.model, *_to_device(state.ctx, batch))
     text = torch_xla._XLAC._get_xla_tensors_hlo([loss])
     return [[[int(d) for d in shape.split(",") if d], sharding] for shape, sharding in ANNOTATION.findall(text)]
 

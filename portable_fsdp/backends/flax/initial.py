@@ -58,7 +58,7 @@ def _define(hf_config, remat: bool) -> model_lib.ModelDef:
 
 
 def stream(fill, model_def: model_lib.ModelDef, shardings: dict, field: str = "model.init_from") -> dict:
-    """{flax name: jax.Array}: `fill(deliver)` (hf_torch.model.OnMeta) hands over each torch parameter in turn (tied
+    """{flax name: jax.Array}: `fill(deliver)` (hf_torch.deferred_init.OnMeta) hands over each torch parameter in turn (tied
     names together, one flax array); each is converted and placed before the next is made."""
     flax_name, shapes = torch_weights.by_torch_name(model_def.variables), model_def.shapes
     params: dict = {}

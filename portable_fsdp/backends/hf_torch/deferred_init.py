@@ -126,6 +126,19 @@ def build_on_meta(build) -> tuple:
     recorder = _Recorder()
     with _init_runs_on_meta(), torch.device("meta"), recorder:
         model = build()
+    return model, _recording(recorder, model)
+
+
+def record_init(model, init) -> Recording:
+    """The recording of `init()` (e.g. a module's own init_weights) writing every parameter of `model`, a module
+    already on the meta device: replayed, it gives `torch.manual_seed(seed); init()` on the CPU bit for bit."""
+    recorder = _Recorder()
+    with recorder:
+        init()
+    return _recording(recorder, model)
+
+
+def _recording(recorder: _Recorder, model) -> Recording:
     names: dict = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(recorder.key(param), []).append(name)
@@ -137,7 +150,17 @@ def build_on_meta(build) -> tuple:
             raise Unsupported(f"{names[key][0]} is a view of a larger tensor")
     recording = Recording(recorder.steps, recorder.geometry, names)
     _check(recording)
-    return model, recording
+    return recording
+
+
+@dataclasses.dataclass
+class OnMeta:
+    """A model built on the meta device, how to fill it and its computed buffers. `fill(deliver)` calls
+    `deliver(names, full)` once per parameter, in turn, with its full fp32 value (the tied names together)."""
+
+    model: torch.nn.Module
+    fill: object
+    buffers: dict
 
 
 def _numel(shape) -> int:

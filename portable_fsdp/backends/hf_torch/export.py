@@ -9,6 +9,7 @@ import pathlib
 import torch
 
 from portable_fsdp.checkpoint import safetensors_shards
+from portable_fsdp.errors import UserError
 
 # Wrappers' parts of parameter names that state dicts leave out (activation checkpointing, torch.compile, FSDP1).
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -28,6 +29,13 @@ def tied_copies(model) -> set:
             copies.add(clean_name(name))
         seen.add(id(param))
     return copies
+
+
+def require_shape(directory, name: str, stored: list, shape) -> None:
+    """A resume fills a parameter only from a tensor of its shape: another model's weight is one line."""
+    if tuple(stored) != tuple(shape):
+        raise UserError("train.resume", (f"the weights in {directory} hold {name} of shape {tuple(stored)}, the model's "
+                                         f"is {tuple(shape)}: another model"))
 
 
 def stored_dtype(tensor: torch.Tensor, save_dtype: str) -> torch.dtype:
@@ -63,7 +71,10 @@ def write_model_config(model, model_class: str, directory: pathlib.Path, save_dt
 
 def model_config(model, model_class: str, directory: pathlib.Path, save_dtype: str, full: bool) -> dict:
     """A checkpoint's model config (portable_fsdp.checkpoint.files.Writer.model_config): beside FULL weights,
-    `write_model_config`'s files; beside SHARDED files, the model's config.json as it is. Returns {path: None}."""
+    `write_model_config`'s files; beside SHARDED files, the model's config.json as it is. Returns {path: None}.
+    A user's module has no transformers config: its weights alone (a resume matches them by name and shape)."""
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        return {}
     if full:
         return write_model_config(model, model_class, directory, save_dtype)
     model.config.save_pretrained(directory)

@@ -2,7 +2,11 @@
 of the whole (accumulated, all-rank) batch, divided once by its label tokens — each backend counts the
 tokens and picks the scale that turns its gradient reduction into that sum. A mixture-of-experts model whose
 config sets `output_router_logits` adds its router's load-balancing loss, as its own forward does, over the
-whole batch (`RouterLoss`)."""
+whole batch (`RouterLoss`).
+
+A user's loss (`Objective.loss`: loss(outputs, LossInputs) -> (sum, count)) has its count only after the
+forward: its sums are backpropagated unscaled, and the backend divides the gradients once by the global count
+(`divide_gradients`) before clipping."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from portable_fsdp.training import faults
 from portable_fsdp.backends.hf_torch import chunked_loss
+from portable_fsdp.backends.hf_torch.custom_model import logits_of, transformers_forward
 from portable_fsdp.data.batch import IGNORE_INDEX
+from portable_fsdp.errors import UserError
+from portable_fsdp.training.parts import LossInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +47,7 @@ def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids,
     if chunked is not None:
         loss = chunked_loss.loss_from(chunked, model, outputs.logits)
     else:
-        loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        loss = cross_entropy_sum(outputs.logits, labels)
     router_logits = getattr(outputs, "router_logits", None)
     if router is not None and router_logits:
         share = load_balancing_share(router_logits, model.num_experts, model.num_experts_per_tok, router.all_reduce)
@@ -50,6 +56,54 @@ def token_loss_sum(model: torch.nn.Module, input_ids, labels, position_ids,
         loss = loss.to_local() if isinstance(loss, DTensor) else loss
         loss = loss + router.weight * model.router_aux_loss_coef * share
     return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a step's forward computes on this rank's tokens. `forward(model, input_ids, position_ids)`: a user's
+    module's call (custom_model.Forward), None for a transformers model (the chunked loss and the router loss
+    apply). `loss`: a user's loss(outputs, LossInputs) -> (sum, count), None for the built-in Σ cross-entropy,
+    whose count (the label tokens) the backend knows before the forward."""
+
+    forward: Callable | None = None
+    loss: Callable | None = None
+
+    def __call__(self, model, input_ids, labels, position_ids, router: RouterLoss | None = None) -> tuple:
+        """(Σ loss over this rank's tokens, their count: a tensor, or None for the built-in loss)."""
+        if self.forward is None and self.loss is None:
+            return token_loss_sum(model, input_ids, labels, position_ids, router), None
+        outputs = self.outputs(model, input_ids, position_ids)
+        if self.loss is None:
+            return cross_entropy_sum(logits_of(outputs), labels), None
+        return _sum_and_count(self.loss(outputs, LossInputs(input_ids, labels, position_ids)), labels.device)
+
+
+    def outputs(self, model, input_ids, position_ids):
+        """What the model returns for these tokens (logits, or an object holding them)."""
+        return (self.forward or transformers_forward)(model, input_ids, position_ids)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def _sum_and_count(result, device) -> tuple:
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+        raise UserError("loss", (f"returned {type(result).__name__}; a loss returns (sum, count): a tensor summing "
+                                 "its per-token losses over the batch it is given, and how many it counted"))
+    total, count = result
+    count = count.detach() if isinstance(count, torch.Tensor) else torch.tensor(float(count), device=device)
+    return total, count
+
+
+def divide_gradients(parameters, count) -> None:
+    """Every gradient (summed, unscaled, over micro-batches and ranks) divided by a user's loss's global count:
+    the gradient of Σ sum / Σ count. `count` a number or a device scalar."""
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).div_(count)
 
 
 def load_balancing_share(router_logits: tuple, num_experts: int, top_k: int, all_reduce) -> torch.Tensor:
@@ -78,20 +132,22 @@ def load_balancing_share(router_logits: tuple, num_experts: int, top_k: int, all
 
 
 def accumulate_gradients(micro_batches: list, forward, scale, *, rank: int, step: int,
-                         sum_dtype: torch.dtype) -> torch.Tensor:
-    """Forward and backward every micro-batch, gradients scaled by `scale`; returns Σ of their token-loss
-    sums (detached, in `sum_dtype`) on this rank.
+                         sum_dtype: torch.dtype) -> tuple:
+    """Forward and backward every micro-batch, gradients scaled by `scale`; returns (Σ of their loss sums,
+    Σ of their counts or None: the built-in loss) on this rank, detached, in `sum_dtype`.
 
     `forward(index, micro_batch)` is the backend's context manager around one micro-batch: it yields that
-    micro-batch's token-loss sum, and the backward runs inside it (where CP's sharding is still in place);
-    whatever the backend does before or after a micro-batch (gradient sync, a graph cut) goes there too.
-    `step` is the step being taken (1-based), for the injected non-finite loss of the fault tests."""
-    total = None
+    micro-batch's (loss sum, count or None) (`Objective`), and the backward runs inside it (where CP's sharding
+    is still in place); whatever the backend does before or after a micro-batch (gradient sync, a graph cut) goes
+    there too. `step` is the step being taken (1-based), for the injected non-finite loss of the fault tests."""
+    total = counted = None
     for index, batch in enumerate(micro_batches):
-        with forward(index, batch) as batch_loss:
+        with forward(index, batch) as (batch_loss, count):
             if faults.poison_loss(rank, step):
                 batch_loss = batch_loss * float("nan")
             (batch_loss * scale).backward()
             value = batch_loss.detach().to(sum_dtype)
             total = value if total is None else total + value
-    return total
+            if count is not None:
+                counted = count.to(sum_dtype) if counted is None else counted + count.to(sum_dtype)
+    return total, counted

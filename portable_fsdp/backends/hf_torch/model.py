@@ -3,7 +3,6 @@ architecture (by model_type and the config's sizes, or from a config.json), or t
 `from_pretrained` directory or hub id, optionally on rank 0 only (`cpu_ram_efficient_loading`)."""
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import pathlib
 import re
@@ -13,7 +12,7 @@ import torch
 
 from portable_fsdp.checkpoint import layout as checkpointing, safetensors_shards
 from portable_fsdp.backend import ModelInfo
-from portable_fsdp.backends.hf_torch import deferred_init, experts
+from portable_fsdp.backends.hf_torch import custom_model, deferred_init, experts
 from portable_fsdp.errors import UserError
 from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
 
@@ -92,6 +91,9 @@ def _hub_offline() -> bool:
 
 
 def describe_model(config, parts: Parts = NO_PARTS) -> ModelInfo:
+    """The ModelInfo of the run's model: the user's module when one is passed in, else the config's."""
+    if parts.model is not None:
+        return custom_model.describe(parts.model)
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(config.model)
@@ -163,17 +165,7 @@ def create_model(config, rank: int, rank0_only: bool):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
-@dataclasses.dataclass
-class OnMeta:
-    """A model built on the meta device, how to fill it and its computed buffers. `fill(deliver)` calls
-    `deliver(names, full)` once per parameter, in turn, with its full fp32 value (the tied names together)."""
-
-    model: torch.nn.Module
-    fill: object
-    buffers: dict
-
-
-def create_on_meta(config) -> OnMeta | None:
+def create_on_meta(config) -> deferred_init.OnMeta | None:
     """The model of `create_model` with no parameter allocated: the seeded random init, replayed one parameter
     at a time, or the weights of a local directory of safetensors files, read one tensor at a time. None when
     that cannot give `create_model`'s values bit for bit (an init the replay cannot reproduce: one line says
@@ -190,14 +182,14 @@ def create_on_meta(config) -> OnMeta | None:
         with torch.device("meta"):
             model = build()
         fill = _safetensors_fill(model, pathlib.Path(config.model.init_from))
-        return OnMeta(model, fill, deferred_init.computed_buffers(build)) if fill else None
+        return deferred_init.OnMeta(model, fill, deferred_init.computed_buffers(build)) if fill else None
     try:
         model, recording = deferred_init.build_on_meta(build)
     except deferred_init.Unsupported as why:
         warnings.warn(f"every rank builds the whole model before sharding it: its init cannot be replayed "
                       f"shard by shard ({why})", stacklevel=2)
         return None
-    return OnMeta(model, lambda deliver: deferred_init.replay(recording, config.seed, deliver),
+    return deferred_init.OnMeta(model, lambda deliver: deferred_init.replay(recording, config.seed, deliver),
                   deferred_init.computed_buffers(build))
 
 

@@ -192,6 +192,7 @@ def load_full_weights(model, directory: pathlib.Path) -> None:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if key in targets:
+                    export.require_shape(directory, key, f.get_slice(key).get_shape(), targets[key][0].shape)
                     for param in targets[key]:
                         fill(param, f.get_tensor(key))
                 elif key in buffers:

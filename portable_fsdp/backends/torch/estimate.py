@@ -273,7 +273,7 @@ def _one_step(ctx, model, optimizer, batches: list, accumulation: int, tracker) 
         if isinstance(model, FSDPModule):  # reduce-scatter after the last only
             model.set_requires_gradient_sync(index == len(batches) - 1)
         with step_lib.sharded_batch(ctx, batch) as (input_ids, labels, positions), step_lib.loss_context(ctx):
-            loss = step_lib.rank_loss_sum(ctx, model, input_ids, labels, positions, router)
+            loss, _ = step_lib.rank_loss_sum(ctx, model, input_ids, labels, positions, router)
             (loss / tokens).backward()
     if ctx.meshes.tp is not None:
         all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), ctx.runtime.device)

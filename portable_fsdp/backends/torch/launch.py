@@ -68,8 +68,8 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
     for key, given in (("callbacks", spec.get("callbacks")), ("parts", spec.get("parts") and spec["parts"].given())):
         if given:  # Python objects of this process: the started workers could not call them
             name = key if key == "callbacks" else ", ".join(given)
-            raise UserError(name, f"run in this process: use nproc=1 (got {nproc}), or call train under torchrun, "
-                            "where every process passes its own")
+            raise UserError(name, (f"live in this process, where started workers cannot call them: use nproc=1 "
+                                   f"(got {nproc}), or call train under torchrun, where every process passes its own"))
     return _elastic_launch(spec, nproc, nodes)
 
 

@@ -5,7 +5,9 @@ Losses are Σ token losses / Σ label tokens of the whole (accumulated, all-rank
 before context or sequence parallelism shards a batch, by one rank of each group that shares a batch (its
 cp|sp × tp ranks). FSDP sums gradients over its mesh (parallelize.sum_gradients; HSDP's replicas included), so
 each rank's backward scales its token-loss sum by 1 / global_tokens. A tp group computes one loss, replicated:
-its sum is counted once, never tp_size times.
+its sum is counted once, never tp_size times. A user's loss counts its own tokens (parts.loss): its sums are
+backpropagated unscaled, and the gradients divided once by Σ count (summed as the token-loss sums are) before
+clipping.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
-from portable_fsdp.backends.hf_torch.loss import RouterLoss, accumulate_gradients, token_loss_sum
-from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_optimizer
+from portable_fsdp.backends.hf_torch import chunked_loss, custom_model, experts, model as model_lib
+from portable_fsdp.backends.hf_torch.custom_model import logits_of
+from portable_fsdp.backends.hf_torch.loss import Objective, RouterLoss, accumulate_gradients, divide_gradients
+from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_optimizer, learning_rates
 from portable_fsdp.backends.torch import checkpoint, distributed
 from portable_fsdp.backends.torch import float8
 from portable_fsdp.backends.torch import host_allocator, resources
@@ -37,10 +40,8 @@ from portable_fsdp.data.batch import Batch
 from portable_fsdp.backend import ModelInfo, Placement
 from portable_fsdp.training.loss_chunks import Chunking
 from portable_fsdp.mesh_fit import tensor_parallel_plan
-from portable_fsdp.errors import UserError
 from portable_fsdp.plan import ShardingPlan
 from portable_fsdp.training.parts import NONE as NO_PARTS, Parts
-from portable_fsdp.training.schedule import for_config as schedule_for
 from portable_fsdp.training.sequence_split import gathered_order
 
 
@@ -58,6 +59,7 @@ class Context:
     info: ModelInfo
     schedule: object
     baseline_mb: float  # memory in use before the model existed (libraries, process group; CUDA context, NCCL)
+    objective: Objective = Objective()  # the model's call and the loss (the user's, when passed in)
 
     @property
     def counts_tokens(self) -> bool:
@@ -80,14 +82,15 @@ class TrainState:
 
 
 def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> TrainState:
-    if parts.given():
-        raise UserError(parts.given()[0], f"is not taken by the {backend} backend yet; leave it out")
+    """`parts`: the user's model, loss, optimizer factory and schedule, each in place of the config's."""
+    if parts.model is not None:  # before any process group: a wrong part is one line
+        custom_model.check_run(parts.model, config, plan)
     runtime = distributed.initialize(backend, config.train.collective_timeout_s)
     if runtime.device.type == "cpu" or plan.cpu_offload:  # a step that computes on host memory
         host_allocator.keep_freed_blocks()
     if plan.float8:  # before the model is built: torchao missing, or a GPU without float8, is one line
         float8.check_supported(runtime.device, _tokens_per_rank(config, plan))
-    info = model_lib.describe_model(config)  # imports the model's code: part of the libraries' memory
+    info = model_lib.describe_model(config, parts)  # imports the model's code: part of the libraries' memory
     baseline_mb = resources.in_use_mb(runtime.device)
     layer_classes = plan.wrap_classes(info)
     meshes = build_meshes(plan.mesh, runtime.device.type)
@@ -98,12 +101,8 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
                      load_balance=plan.cp_load_balance)
     if meshes.sp is not None:
         sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
-    rank0_only = plan.cpu_ram_efficient_loading
-    # Sharded: every rank builds the model on the meta device and fills only its own shards.
-    on_meta = None
-    if not rank0_only and shards(plan, meshes, runtime.device.type):
-        on_meta = model_lib.create_on_meta(config)
-    model = on_meta.model if on_meta else model_lib.create_model(config, runtime.rank, rank0_only)
+    rank0_only = plan.cpu_ram_efficient_loading and parts.model is None
+    model, on_meta = _build_model(config, plan, meshes, runtime, parts)
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
@@ -111,7 +110,8 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     experts.set_implementation(model, experts.choose(runtime.device.type))
     logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, runtime.device.type,
                                  tensor_parallel_plan(plan, info))
-    if not logits_sharded:  # a vocabulary-split lm_head keeps its loss_parallel loss (V / tp per rank)
+    objective = Objective(custom_model.Forward.of(parts.model) if parts.model is not None else None, parts.loss)
+    if not logits_sharded and objective == Objective():  # a vocabulary-split lm_head keeps its loss_parallel loss
         chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), runtime.device.type)
     parameters_on = state_device(plan, runtime.device)
     if rank0_only and isinstance(model, FSDPModule):  # one rank alone built the whole model already
@@ -119,9 +119,26 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
     if on_meta:
         materialize_shards(model, on_meta, parameters_on, runtime.device)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
-    optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type)
+    optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type,
+                                parts.optimizer)
     return TrainState(model, optimizer, 0, Context(runtime, plan, config, meshes, cp, sp, logits_sharded, info,
-                                                   schedule_for(config.train), baseline_mb))
+                                                   learning_rates(parts, config.train), baseline_mb, objective))
+
+
+def _build_model(config, plan: ShardingPlan, meshes: Meshes, runtime, parts: Parts) -> tuple:
+    """(the model, its hf_torch.deferred_init.OnMeta when each rank fills its own shards once it is sharded, else None).
+    Sharded, every rank builds the config's model on the meta device; a user's module is taken as it is given,
+    built or on the meta device (then initialised by its own init, seeded by train.seed)."""
+    sharded = shards(plan, meshes, runtime.device.type)
+    if parts.model is not None:
+        on_meta = custom_model.on_meta(parts.model, config.seed)
+        if on_meta is not None and not sharded:  # one rank trains the plain module: fill it whole now
+            materialize_shards(parts.model, on_meta, torch.device("cpu"), torch.device("cpu"))
+            on_meta = None
+        return parts.model, on_meta
+    rank0_only = plan.cpu_ram_efficient_loading
+    on_meta = model_lib.create_on_meta(config) if sharded and not rank0_only else None
+    return (on_meta.model if on_meta else model_lib.create_model(config, runtime.rank, rank0_only)), on_meta
 
 
 def _tokens_per_rank(config, plan: ShardingPlan) -> int:
@@ -157,21 +174,25 @@ def _train_step(state: TrainState, micro_batches: list) -> tuple:
     finite = apply_update(state.optimizer, lr, loss, grad_norm, state.step + 1, ctx.config.train.nonfinite)
     if ctx.runtime.device.type == "cuda":  # the step's time includes its update, still queued on the GPU
         torch.cuda.synchronize(ctx.runtime.device)
-    metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": lr, "skipped": not finite}
+    metrics = {"loss": loss, "tokens": int(global_tokens), "grad_norm": grad_norm, "lr": float(lr),
+               "skipped": not finite}
     return dataclasses.replace(state, step=state.step + 1), metrics
 
 
 def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
     """Forward and backward of this rank's micro-batches: every parameter's (sharded) gradient is then the
-    gradient of the global batch's mean token loss. Returns (that loss, the global batch's label tokens)."""
+    gradient of the global batch's mean token loss (a user's loss: Σ sum / Σ count). Returns (that loss, the
+    global batch's label tokens)."""
     ctx, model = state.ctx, state.model
     device = ctx.runtime.device
     model.train()
     counted = sum(b.num_label_tokens for b in micro_batches) if ctx.counts_tokens else 0
-    (global_tokens,) = _all_reduce_sum([counted], device)
-    scale = 1.0 / max(global_tokens, 1.0)  # FSDP sums gradients over its mesh (parallelize.sum_gradients)
+    counts_itself = ctx.objective.loss is not None  # its count is known after the forward: scale afterwards
+    global_tokens = 0.0 if counts_itself else _all_reduce_sum([counted], device)[0]
+    scale = 1.0 if counts_itself else 1.0 / max(global_tokens, 1.0)  # FSDP sums gradients (parallelize.sum_gradients)
     # a MoE router's load-balancing loss (output_router_logits) over the whole batch, weighed as the model does
-    router = RouterLoss(global_tokens / len(micro_batches), lambda t: _sum_over_tokens(t, ctx.plan.mesh.tp_size))
+    router = None if counts_itself else RouterLoss(global_tokens / len(micro_batches),
+                                                   lambda t: _sum_over_tokens(t, ctx.plan.mesh.tp_size))
 
     @contextlib.contextmanager
     def forward(index: int, batch: Batch):
@@ -181,10 +202,15 @@ def compute_gradients(state: TrainState, micro_batches: list) -> tuple:
         with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
             yield rank_loss_sum(ctx, model, input_ids, labels, positions, router)
 
-    loss_sum = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank, step=state.step + 1,
-                                    sum_dtype=torch.float64)
+    loss_sum, count = accumulate_gradients(micro_batches, forward, scale, rank=ctx.runtime.rank,
+                                           step=state.step + 1, sum_dtype=torch.float64)
     if ctx.meshes.tp is not None:
         all_reduce_replicated_gradients(model, ctx.meshes.tp.get_group(), device)
+    if counts_itself:  # one all-reduce: the label tokens, the user's sums and counts (a tp group's once)
+        global_tokens, total_loss, total_count = _all_reduce_sum(
+            [counted, *([loss_sum.item(), count.item()] if ctx.counts_loss else [0.0, 0.0])], device)
+        divide_gradients(model.parameters(), total_count or 1.0)
+        return total_loss / (total_count or 1.0), global_tokens
     (total_loss,) = _all_reduce_sum([loss_sum.item() if ctx.counts_loss else 0.0], device)
     return total_loss / max(global_tokens, 1.0), global_tokens
 
@@ -217,12 +243,14 @@ def _sum_over_tokens(tensor: torch.Tensor, tp_size: int) -> torch.Tensor:
     return tensor.div_(tp_size)
 
 
-def rank_loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> torch.Tensor:
-    """Σ token losses of this rank's tokens, a plain tensor (under loss_parallel, the local value of the
-    replicated loss). The forward only: a backward runs outside `_mixed_precision`."""
+def rank_loss_sum(ctx: Context, model, input_ids, labels, positions, router: RouterLoss | None = None) -> tuple:
+    """(Σ token losses of this rank's tokens, their count or None: the built-in loss), plain tensors (under
+    loss_parallel, the local values of the replicated loss). The forward only: a backward runs outside
+    `_mixed_precision`."""
     with _mixed_precision(ctx, model):
-        loss = token_loss_sum(model, input_ids, labels, positions, router)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+        loss, count = ctx.objective(model, input_ids, labels, positions, router)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (loss, count)]
+    return tuple(local)
 
 
 def _mixed_precision(ctx: Context, model) -> contextlib.AbstractContextManager:
@@ -279,13 +307,16 @@ def count_label_tokens(state: TrainState, batch: Batch) -> int:
 
 @torch.no_grad()
 def eval_step(state: TrainState, batch: Batch, num_items_in_batch: int) -> dict:
-    """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once."""
+    """{"loss_sum": Σ token losses over every rank}; the eval layer divides by Σ num_items_in_batch once. A
+    user's loss adds {"count": Σ its counts over every rank}, which the eval layer divides by instead."""
     ctx = state.ctx
     state.model.eval()
     with sharded_batch(ctx, batch) as (input_ids, labels, positions), loss_context(ctx):
-        loss = rank_loss_sum(ctx, state.model, input_ids, labels, positions).item()
+        loss, count = rank_loss_sum(ctx, state.model, input_ids, labels, positions)
+        mine = [loss.item(), *([] if count is None else [count.item()])]
     _reshard(state.model)
-    return {"loss_sum": _all_reduce_sum([loss if ctx.counts_loss else 0.0], ctx.runtime.device)[0]}
+    totals = _all_reduce_sum([v if ctx.counts_loss else 0.0 for v in mine], ctx.runtime.device)
+    return dict(zip(("loss_sum", "count"), totals))
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -310,7 +341,7 @@ def predict_step(state: TrainState, batch: Batch, return_logits: bool = False, p
     ctx = state.ctx
     state.model.eval()
     with sharded_batch(ctx, batch) as (input_ids, _, positions), _mixed_precision(ctx, state.model):
-        logits = state.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        logits = logits_of(ctx.objective.outputs(state.model, input_ids, positions))
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         logits = logits.float()

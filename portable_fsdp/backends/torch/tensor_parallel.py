@@ -61,7 +61,7 @@ def split_modules(base: nn.Module, tp_plan: dict, strict: bool) -> dict:
 def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: bool = False) -> bool:
     """Split the modules `tp_plan` names over `tp_mesh` in place; returns whether the logits come out sharded over
     the vocabulary (the loss must then run under `loss_parallel`)."""
-    base = model.base_model
+    base = getattr(model, "base_model", model)  # what the plan's keys are relative to (a user's module: itself)
     for name, style in split_modules(base, tp_plan, strict).items():
         module = base.get_submodule(name)
         if style == "colwise":
@@ -74,6 +74,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: b
 
 
 def _shard_logits(model: nn.Module, tp_mesh) -> bool:
+    if not hasattr(model, "get_output_embeddings"):  # a user's module: its _tp_plan says what is split
+        return False
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
     if not isinstance(head, nn.Linear) or (embedding is not None and head.weight is embedding.weight):

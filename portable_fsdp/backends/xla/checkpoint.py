@@ -90,7 +90,7 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
 def _portable_state(state) -> bool:
     """Whether FULL checkpoints carry the optimizer's state: AdamW's only, whose moments are gathered and placed
     like their parameters (docs/capabilities.md; SHARDED ones are refused for the others)."""
-    return state.ctx.config.train.optimizer == "adamw"
+    return state.ctx.config.train.optimizer == "adamw" and not state.ctx.own_optimizer
 
 
 def _full_optimizer_state(state) -> dict:
@@ -122,6 +122,7 @@ def _load_full(state, directory: pathlib.Path) -> None:
                 for key in f.keys():
                     if key in by_name:
                         n = by_name[key]
+                        export.require_shape(directory, key, f.get_slice(key).get_shape(), n.shape)
                         n.param.data = full_state.place(ctx.runtime, n.param, f.get_tensor(key))
                         found.add(key)
     missing = [name for name in by_name if name not in found]

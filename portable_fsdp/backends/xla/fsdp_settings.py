@@ -95,3 +95,12 @@ def _check_agrees_with_plan(key: str, value, plan: ShardingPlan) -> None:
     if key == "fp32_reduce_scatter" and mp.param_dtype != "float32" and value != (mp.reduce_dtype == "float32"):
         raise UserError(FIELD, f"key 'fp32_reduce_scatter' = {str(value).lower()} contradicts "
                         f"plan.reduce_dtype={mp.reduce_dtype}; set one of them")
+
+
+def refuse_parts_under_v1(plan: ShardingPlan, given: tuple) -> None:
+    """FSDP v1 runs in processes torch_xla starts (xmp.spawn), which a model, loss, optimizer or schedule of the
+    caller's process cannot reach."""
+    if given and not plan.xla.xla_fsdp_v2:
+        raise UserError("plan.xla_fsdp_v2", (f"is false, and FSDP v1's processes cannot receive the {', '.join(given)} "
+                                             "passed in: set plan.xla_fsdp_v2=true (SPMD), which trains them in this "
+                                             "process"))

@@ -115,6 +115,7 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
         return worker.main(spec)
     # FSDP v1: its settings are checked against the installed torch_xla before its processes start.
+    fsdp_settings.refuse_parts_under_v1(plan, spec["parts"].given() if spec.get("parts") else ())
     fsdp_settings.v1_kwargs(plan, plan.xla.xla_fsdp_settings, fsdp_settings.v1_signature(), config.train.weight_decay)
     import torch_xla.distributed.xla_multiprocessing as xmp
 

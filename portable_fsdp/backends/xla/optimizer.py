@@ -14,9 +14,10 @@ from portable_fsdp.backends.hf_torch import optimizer as torch_optimizers
 from portable_fsdp.backends.xla import runtime as rt
 
 
-def build_optimizer(named: list, train_cfg) -> torch.optim.Optimizer:
-    """Over the parameters the wrappers left (their shards), decaying by each one's original shape."""
-    return torch_optimizers.build_optimizer(((n.param, len(n.shape)) for n in named), train_cfg, "xla")
+def build_optimizer(named: list, train_cfg, factory=None) -> torch.optim.Optimizer:
+    """Over the parameters the wrappers left (their shards), decaying by each one's original shape; `factory`: a
+    user's, in place of train.optimizer's."""
+    return torch_optimizers.build_optimizer(((n.param, len(n.shape)) for n in named), train_cfg, "xla", factory)
 
 
 def prime_state(optimizer: torch.optim.Optimizer) -> None:

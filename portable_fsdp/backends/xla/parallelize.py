@@ -34,7 +34,7 @@ from portable_fsdp.plan import ShardingPlan, WrapPolicy
 def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, info: ModelInfo, layer_classes: tuple,
                 v1_kwargs: dict, on_meta=None) -> nn.Module:
     """Returns the root wrapper; `model` is modified in place (its layers become wrapped units). Under SPMD,
-    `model` may be on the meta device with `on_meta` (hf_torch.model.OnMeta) to fill it, one parameter at a
+    `model` may be on the meta device with `on_meta` (hf_torch.deferred_init.OnMeta) to fill it, one parameter at a
     time, as it is sharded."""
     specs = None
     if runtime.spmd:
