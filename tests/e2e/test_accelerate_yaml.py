@@ -35,6 +35,7 @@ def run_two_machines(tmp_path, args: list, shared) -> list:
     return run_together([([*args, "--fsdp_config", node, "--workdir", str(shared)], None) for node in nodes])
 
 
+@pytest.mark.slow  # several machines on one: tests/e2e/test_slurm.py in the default suite
 def test_two_machines_match_one(tmp_path):
     """machine_rank 0 and 1 of num_machines 2 (static rendezvous at 127.0.0.1), sharing one workdir as two
     machines share a disk: the losses of `--nproc 2` on one machine, bit for bit; rank 0 alone writes metrics."""

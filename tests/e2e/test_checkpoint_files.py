@@ -58,6 +58,7 @@ def test_the_weights_are_split_and_every_file_checksummed(stopped):
     assert not (final / checkpointing.REPORTS).exists()
 
 
+@pytest.mark.slow  # bit-exact resume stays in the default suite (tests/e2e/test_reliability.py, tests/dist)
 def test_small_shards_resume_bit_exact(tmp_path, stopped, straight):
     workdir = resumable_copy(stopped, tmp_path)
     run(workdir, SMALL_SHARDS, "--config.train.resume=true")

@@ -8,7 +8,7 @@ from tests.conftest import cli
 from tests.parity import families
 
 SLOW = pytest.mark.slow
-FAMILIES = [pytest.param(f, marks=() if f == "mixtral" else SLOW) for f in families.FAMILIES]
+FAMILIES = [pytest.param(f, marks=SLOW) for f in families.FAMILIES]  # MoE on cpu by default: tests/e2e/test_recipes.py
 
 
 @pytest.mark.parametrize("family", FAMILIES)

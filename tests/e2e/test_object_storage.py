@@ -39,7 +39,7 @@ def resumed_after_a_kill(url, tmp_path, fault, *extra):
 
 
 @pytest.mark.parametrize("fault", [
-    "kill@upload.files:rank=0:step=10",  # committed here, not yet in the bucket
+    pytest.param("kill@upload.files:rank=0:step=10", marks=pytest.mark.slow),  # committed here, not in the bucket
     pytest.param("kill@save.written:rank=1:step=10", marks=pytest.mark.slow),
 ])
 def test_a_kill_during_an_upload_resumes_from_the_bucket_with_the_losses_of_an_uninterrupted_run(
@@ -107,7 +107,7 @@ def on_two_machines(url, tmp_path, *extra, fault=None) -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    [],
+    pytest.param([], marks=pytest.mark.slow),
     pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.export_full_at_end=true"],
                  marks=pytest.mark.slow),
     pytest.param(["--config.plan.state_dict_type=SHARDED_STATE_DICT", "--config.train.async_save=true"],

@@ -24,12 +24,13 @@ def rows_of(report) -> dict:
     return {row["feature"]: row for row in report["rows"]}
 
 
-# Per backend: the rows the default suite runs — the measurements, training compared with the CPU process, a
-# checkpoint resumed and an export, each on one backend at least (`slow` runs every row on every backend).
+# Per backend: a selection of rows — the measurements, training compared with the CPU process, a checkpoint resumed
+# and an export; the default suite runs cpu's (the other backends train and resume in their own tests), `slow` the
+# other selections and every row on every backend.
 DEFAULT = {"cpu": "devices,export", "xla": "ep", "flax": "background_save_resume"}
 
 
-@pytest.mark.parametrize("backend", list(DEFAULT))
+@pytest.mark.parametrize("backend", [b if b == "cpu" else pytest.param(b, marks=pytest.mark.slow) for b in DEFAULT])
 def test_a_selection_of_rows_passes_on_every_backend(tmp_path, backend):
     proc, report = selftest(tmp_path, "--backend", backend, "--only", DEFAULT[backend])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

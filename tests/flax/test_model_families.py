@@ -72,7 +72,7 @@ def test_mixtral_logits_and_load_balancing_loss_equal_transformers():
     assert float(balance) > 1.0  # num_experts x Σ fraction x probability: 1 when perfectly balanced
 
 
-@pytest.mark.parametrize("family", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen2", "mistral")])
 def test_family_trains_like_plain_torch_on_flax(family, tmp_path, tmp_path_factory):
     model = families.saved(tmp_path_factory, family)
     families.assert_trains_like_plain_torch("flax", model, tmp_path)
