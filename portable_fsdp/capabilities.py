@@ -335,6 +335,9 @@ RULES = (
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "
                         "or leave train.freeze empty")}),
+    Rule("model.peft.type", (("model.peft.type", IsNot("")),), {
+        target: Refused("= {value}: adapters are trained by --backend cpu or cuda only; use one of them, or leave "
+                        "model.peft.type empty") for target in (*XLA, "flax")}),
     # ---- model families
     # What the model's own config.json decides, read as model.<name> (MODEL_FIELDS, from describe_model).
     Rule("model.model_type", (("model.model_type", NoneOf(FLAX_FAMILIES)),), {
