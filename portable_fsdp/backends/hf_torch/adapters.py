@@ -14,7 +14,6 @@ W + scale·B·A for a FULL export.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import pathlib
 
