@@ -97,3 +97,22 @@ def test_sharded_resume_gives_the_same_losses_and_peft_files(tmp_path):
     assert (checkpoint / "sharded").is_dir() and (checkpoint / "adapter_model.safetensors").exists()
     _, evals = split(read_metrics(tmp_path / "split"))
     assert eval_loss_of(load_adapters(checkpoint), {}) == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
+
+
+def test_estimate_gives_gradients_and_optimizer_state_to_the_adapters_only():
+    from portable_fsdp import estimate
+    from tests.parity.matrix import make_config
+
+    with estimate.Estimator() as estimator:
+        full, lora = (estimate.estimate_config(make_config(overrides), estimate.resolve_target("cpu", "cpu", 2), [0],
+                                               estimator).result["ranks"][0] for overrides in ({}, LORA))
+    n_params, float32 = 135_488, 4
+    # r x (in + out) per adapted Linear of each of the 2 layers: q_proj 64 -> 64, v_proj 64 -> 32, down_proj 160 -> 64
+    n_adapter = 2 * 4 * ((64 + 64) + (64 + 32) + (160 + 64))
+    assert lora["held"]["gradients"] == n_adapter * float32 // 2
+    assert lora["held"]["optimizer"] - 2 * n_adapter * float32 // 2 in range(0, 128)  # + AdamW's step counters
+    assert lora["held"]["parameters"] - (n_params + n_adapter) * float32 // 2 in range(0, 129)
+    frozen_state = 3 * n_params * float32 // 2  # the base's gradients and AdamW moments, per rank
+    saved = sum(full["held"][k] - lora["held"][k] for k in ("gradients", "optimizer"))
+    assert saved == pytest.approx(frozen_state, rel=0.05)
+    assert full["peak"] - lora["peak"] > 0.5 * frozen_state
