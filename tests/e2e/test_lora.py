@@ -116,3 +116,23 @@ def test_estimate_gives_gradients_and_optimizer_state_to_the_adapters_only():
     saved = sum(full["held"][k] - lora["held"][k] for k in ("gradients", "optimizer"))
     assert saved == pytest.approx(frozen_state, rel=0.05)
     assert full["peak"] - lora["peak"] > 0.5 * frozen_state
+
+
+def readme_command() -> list:
+    """The arguments of the README's LoRA command (`portable-fsdp run ARGS`)."""
+    from tests.conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split("### LoRA fine-tuning (`model.peft`)", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    words = command.split()
+    assert words[:2] == ["portable-fsdp", "run"], command  # `portable-fsdp run` is `python -m portable_fsdp.run`
+    return words[2:]
+
+
+def test_the_readme_lora_command_runs_as_written(tmp_path):
+    # as written, in tmp_path (its workdir is relative), but for a few steps and no evaluation before the end
+    proc = cli([*readme_command(), "--config.train.steps=3", "--config.train.eval_every=0"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (checkpoint,) = (tmp_path / "runs" / "lora" / "checkpoints").glob("step_*")
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["r"] == 8
