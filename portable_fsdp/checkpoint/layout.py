@@ -19,8 +19,12 @@ Inside a checkpoint, the same on every backend (which process writes which: port
   optimizer.pt                       FULL_STATE_DICT: torch's full optimizer state dict, keyed by name
   sharded/                           SHARDED_STATE_DICT: the writing backend's own per-rank files
   rng/rank_XXXXX.pt                  each rank's RNG states (backends that draw random numbers)
-<workdir>/export/ (train.export_full_at_end, SHARDED runs): a FULL checkpoint's weights, configs and tokenizer
-without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its manifest.json.
+  adapter_model.safetensors +        model.peft runs (cpu/cuda), both layouts: the adapters alone, in peft's
+  adapter_config.json                files, instead of model.safetensors; the manifest's `base_weights` names
+                                     where the frozen base is rebuilt from on resume
+<workdir>/export/ (train.export_full_at_end, SHARDED or model.peft runs): a FULL checkpoint's weights (adapters
+merged in), configs and tokenizer without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its
+manifest.json.
 A FULL checkpoint resumes on every backend at any world size; a SHARDED one on the backends that read the
 format it was written in (`Backend.sharded_format`).
 """

@@ -2,12 +2,14 @@
 per-step losses, which parameters got gradients and which are in the optimizer's state, and the same run's losses
 on one process (the plain transformers model with the same adapters, torch's AdamW) to JSON.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/lora_check.py OUT.json STEPS
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/lora_check.py OUT.json STEPS CASE...
+
+Cases: `meta` (every rank builds the model on the meta device and fills its shards), `rank0`
+(plan.cpu_ram_efficient_loading: rank 0 builds it whole and broadcasts).
 """
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -30,9 +32,11 @@ def one_process_model(config):
     return model
 
 
-def main() -> None:
-    out, steps = sys.argv[1], int(sys.argv[2])
-    config = make_config(LORA)
+CASES = {"meta": {}, "rank0": {"plan.cpu_ram_efficient_loading": "true"}}
+
+
+def run_case(name: str, steps: int) -> dict:
+    config = make_config({**LORA, **CASES[name]})
     plan = resolve_plan(config, int(os.environ["WORLD_SIZE"]))
     state = torch_step.init(config, plan, "cpu")
     where = torch_step.placement(state)
@@ -51,7 +55,12 @@ def main() -> None:
               "sharded": all(isinstance(p, DTensor) for p in state.model.parameters())}
     if dist.get_rank() == 0:
         result["reference"] = reference_losses(config, steps, model=one_process_model(config))
-    write_results(out, result)
+    return result
+
+
+def main() -> None:
+    out, steps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    write_results(out, {name: run_case(name, steps) for name in names})
     torch_step.finalize()
 
 
