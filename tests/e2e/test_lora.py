@@ -131,7 +131,8 @@ def readme_command() -> list:
 
 def test_the_readme_lora_command_runs_as_written(tmp_path):
     # as written, in tmp_path (its workdir is relative), but for a few steps and no evaluation before the end
-    proc = cli([*readme_command(), "--config.train.steps=3", "--config.train.eval_every=0"], cwd=tmp_path)
+    proc = cli([*readme_command(), "--config.train.steps=3", "--config.train.eval_every=0",
+                "--config.train.eval_max_batches=1"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (checkpoint,) = (tmp_path / "runs" / "lora" / "checkpoints").glob("step_*")
     assert (checkpoint / "adapter_model.safetensors").exists()
