@@ -74,6 +74,10 @@ REFUSED = [
     ("xla", {"model.peft.type": "lora"}, "CPU", 2, "model.peft.type",
      "= lora: adapters are trained by --backend cpu or cuda only; use one of them, or leave model.peft.type empty"),
     ("flax", {"model.peft.type": "lora"}, "cpu", 2, "model.peft.type", "adapters are trained by --backend cpu or cuda"),
+    ("cpu", {"model.peft.type": "lora", "plan.tp_size": "2"}, None, 2, "model.peft.type",
+     "= lora with plan.tp_size=2: torch's tensor-parallel styles split plain Linear layers, not peft's adapted ones"),
+    ("cuda", {"model.peft.type": "lora", "plan.float8": "true", "plan.compile": "true"}, None, 2, "model.peft.type",
+     "the float8 conversion does not look inside peft's adapted layers; set plan.float8=false"),
 ]
 
 
