@@ -43,7 +43,8 @@ def manifest_info(config, plan, backend_name: str, where: Placement) -> dict:
             "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
             "config": config.to_dict()}
     if config.model.peft.type:  # checkpoints hold the adapters alone: a resume rebuilds the frozen base from here
-        info["base_weights"] = config.model.init_from or f"random init of model.architecture, seed {config.seed}"
+        info["base_weights"] = config.model.init_from or (
+            f"random init of {config.model.config_from or config.model.architecture}, seed {config.seed}")
     return info
 
 

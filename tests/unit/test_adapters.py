@@ -47,7 +47,7 @@ def test_without_peft_installed_the_fix_is_the_extra(monkeypatch):
 
 def test_resume_into_other_adapters_or_another_random_base_is_refused():
     saved = resolved(**{"model.peft.type": "lora"})
-    manifest = {"config": saved.to_dict(), "base_weights": "random init of model.architecture, seed 0"}
+    manifest = {"config": saved.to_dict(), "base_weights": "random init of llama, seed 0"}
     checkpointing.check_compatible(manifest, saved, "cpu")
     with user_error("train.resume", "model.peft {"):
         checkpointing.check_compatible(manifest, resolved(**{"model.peft.type": "lora", "model.peft.r": "4"}), "cpu")
