@@ -90,8 +90,10 @@ def test_export_is_the_merged_model(full_runs):
 
 
 @pytest.mark.slow
-def test_sharded_resume_gives_the_same_losses_and_peft_files(tmp_path):
-    straight, resumed = resumed_losses(tmp_path, "--config.plan.state_dict_type=SHARDED_STATE_DICT")
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_sharded_resume_gives_the_same_losses_and_peft_files(tmp_path, async_save):
+    straight, resumed = resumed_losses(tmp_path, "--config.plan.state_dict_type=SHARDED_STATE_DICT",
+                                       f"--config.train.async_save={async_save}")
     assert resumed == straight
     checkpoint = tmp_path / "split" / "checkpoints" / "step_00000006"
     assert (checkpoint / "sharded").is_dir() and (checkpoint / "adapter_model.safetensors").exists()
