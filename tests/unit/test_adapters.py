@@ -63,3 +63,17 @@ def test_peft_file_names_and_base_names():
     assert adapters.peft_key(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert adapters.base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("targets, chunked", [("q_proj,v_proj", True), ("q_proj,lm_head", False)])
+def test_the_chunked_loss_takes_the_lm_head_unless_it_is_adapted(targets, chunked):
+    # an adapted lm_head is peft's layer, not a Linear: the loss then falls back to the whole logits
+    from portable_fsdp.backends.hf_torch import adapters, chunked_loss, model as model_lib
+    from portable_fsdp.training.loss_chunks import Chunking
+
+    config = resolved(**{"model.peft.type": "lora", "model.peft.target_modules": targets})
+    model = model_lib.create_model(config, rank=0, rank0_only=False)
+    adapters.add(model, config.model.peft)
+    assert chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu") == chunked
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
+        {n for n, _ in model.named_parameters() if adapters.is_adapter(n)}
