@@ -335,6 +335,15 @@ RULES = (
     Rule("train.freeze", (("train.freeze", SET),), {
         "flax": Refused("frozen parameters are not available on --backend flax; use --backend cpu, cuda or xla, "
                         "or leave train.freeze empty")}),
+    Rule("model.peft.type", (("model.peft.type", IsNot("")),), {
+        target: Refused("= {value}: adapters are trained by --backend cpu or cuda only; use one of them, or leave "
+                        "model.peft.type empty") for target in (*XLA, "flax")}),
+    Rule("model.peft.type", (("model.peft.type", IsNot("")), ("plan.tp_size", Above(1))), dict.fromkeys(TORCH, Refused(
+        "= {value} with plan.tp_size={plan.tp_size}: torch's tensor-parallel styles split plain Linear layers, not "
+        "peft's adapted ones; set plan.tp_size=1 (FSDP shards the adapters with their layers)"))),
+    Rule("model.peft.type", (("model.peft.type", IsNot("")), ("plan.float8", ON)), dict.fromkeys(TORCH, Refused(
+        "= {value} with plan.float8: the float8 conversion does not look inside peft's adapted layers; set "
+        "plan.float8=false"))),
     # ---- model families
     # What the model's own config.json decides, read as model.<name> (MODEL_FIELDS, from describe_model).
     Rule("model.model_type", (("model.model_type", NoneOf(FLAX_FAMILIES)),), {

@@ -67,7 +67,7 @@ def write(files: Writer, directory: pathlib.Path):
     written.update(_rng(files, directory))
     if files.full:
         return written
-    return _joined(written, files.sharded(directory / checkpointing.SHARDED))
+    return joined(written, files.sharded(directory / checkpointing.SHARDED))
 
 
 def write_export(files: Writer, directory: pathlib.Path) -> dict:
@@ -110,7 +110,7 @@ def _rng(files: Writer, directory: pathlib.Path) -> dict:
     return {path: None}
 
 
-def _joined(written: dict, sharded):
+def joined(written: dict, sharded):
     """`written` and the SHARDED files, or a future of both once a background write has finished."""
     if not isinstance(sharded, concurrent.futures.Future):
         return {**written, **sharded}

@@ -19,8 +19,12 @@ Inside a checkpoint, the same on every backend (which process writes which: port
   optimizer.pt                       FULL_STATE_DICT: torch's full optimizer state dict, keyed by name
   sharded/                           SHARDED_STATE_DICT: the writing backend's own per-rank files
   rng/rank_XXXXX.pt                  each rank's RNG states (backends that draw random numbers)
-<workdir>/export/ (train.export_full_at_end, SHARDED runs): a FULL checkpoint's weights, configs and tokenizer
-without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its manifest.json.
+  adapter_model.safetensors +        model.peft runs (cpu/cuda), both layouts: the adapters alone, in peft's
+  adapter_config.json                files, instead of model.safetensors; the manifest's `base_weights` names
+                                     where the frozen base is rebuilt from on resume
+<workdir>/export/ (train.export_full_at_end, SHARDED or model.peft runs): a FULL checkpoint's weights (adapters
+merged in), configs and tokenizer without optimizer.pt or rng/, written into `.tmp-export` and renamed, with its
+manifest.json.
 A FULL checkpoint resumes on every backend at any world size; a SHARDED one on the backends that read the
 format it was written in (`Backend.sharded_format`).
 """
@@ -57,10 +61,12 @@ def rng_file(checkpoint: pathlib.Path, rank: int) -> pathlib.Path:
 def stored_layout(checkpoint: pathlib.Path) -> str:
     """FULL_STATE_DICT or SHARDED_STATE_DICT, from what the directory holds."""
     checkpoint = pathlib.Path(checkpoint)
-    if (checkpoint / WEIGHTS).exists() or any(checkpoint.glob("*.safetensors")):  # save_pretrained may split
+    if (checkpoint / WEIGHTS).exists():
         return "FULL_STATE_DICT"
-    if (checkpoint / SHARDED).is_dir():
+    if (checkpoint / SHARDED).is_dir():  # beside it, a model.peft run's adapters in peft's safetensors file
         return "SHARDED_STATE_DICT"
+    if any(checkpoint.glob("*.safetensors")):  # save_pretrained may split; a model.peft run's adapters
+        return "FULL_STATE_DICT"
     raise UserError("train.resume", f"{checkpoint} holds neither {WEIGHTS} nor {SHARDED}/; it is not a checkpoint")
 
 
@@ -377,15 +383,20 @@ def total_bytes(manifest: dict) -> int:
 
 MODEL_FIELDS_THAT_SHAPE_WEIGHTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "init_from",
-                                   "architecture", "config_from")
+                                   "architecture", "config_from", "peft")
 
 
 def check_compatible(manifest: dict, config, backend_name: str) -> None:
     """A checkpoint loads under another plan or world size (that is resharding), not into another model; a
     SHARDED one only on a backend that reads its format."""
     saved = manifest.get("config", {}).get("model", {})
-    differing = [f"model.{name} {saved[name]!r} -> {config.model[name]!r}"
-                 for name in MODEL_FIELDS_THAT_SHAPE_WEIGHTS if name in saved and saved[name] != config.model[name]]
+    current = {name: config.model[name].to_dict() if hasattr(config.model[name], "to_dict") else config.model[name]
+               for name in MODEL_FIELDS_THAT_SHAPE_WEIGHTS}
+    differing = [f"model.{name} {saved[name]!r} -> {current[name]!r}"
+                 for name in MODEL_FIELDS_THAT_SHAPE_WEIGHTS if name in saved and saved[name] != current[name]]
+    saved_seed = manifest.get("config", {}).get("seed")
+    if "base_weights" in manifest and not config.model.init_from and saved_seed != config.seed:
+        differing.append(f"seed {saved_seed!r} -> {config.seed!r} (the frozen base of the adapters is its random init)")
     if differing:
         raise UserError("train.resume", (f"the checkpoint was written for another model ({'; '.join(differing)}); "
                                          "use the model config it was trained with, or a new --workdir"))

@@ -38,10 +38,14 @@ from portable_fsdp.errors import Interrupted, UserError
 def manifest_info(config, plan, backend_name: str, where: Placement) -> dict:
     """What a checkpoint's manifest.json records besides its files and step: the backend, the world size, the
     layout, the plan and the whole config (what a resume checks it against: checkpointing.check_compatible)."""
-    return {"backend": backend_name, "world_size": where.world_size,
+    info = {"backend": backend_name, "world_size": where.world_size,
             "state_dict_type": plan.state_dict_type.value,
             "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
             "config": config.to_dict()}
+    if config.model.peft.type:  # checkpoints hold the adapters alone: a resume rebuilds the frozen base from here
+        info["base_weights"] = config.model.init_from or (
+            f"random init of {config.model.config_from or config.model.architecture}, seed {config.seed}")
+    return info
 
 
 def save(backend, state, workdir: pathlib.Path, info: dict, keep_last_n: int = 0, best: dict | None = None,

@@ -47,6 +47,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_word_embeddings = False  # the output projection shares the input embedding table
     c.model.initializer_range = 0.02  # standard deviation of random init
     c.model.attn_implementation = "sdpa"  # transformers' attention kernel: sdpa, eager, ...
+    # Parameter-efficient fine-tuning with peft (`pip install 'portable_fsdp[peft]'`; cpu/cuda): the base model
+    # frozen, only the adapters trained, saved and given optimizer state
+    c.model.peft = ml_collections.ConfigDict()
+    c.model.peft.type = ""  # "" = no adapters (the whole model trains); lora
+    c.model.peft.r = 8  # the adapters' rank (peft's LoraConfig r)
+    c.model.peft.alpha = 16  # the adapters' scale is alpha / r (LoraConfig lora_alpha)
+    c.model.peft.dropout = 0.0  # dropout on the adapters' input (LoraConfig lora_dropout)
+    # module names to adapt (LoraConfig target_modules; CLI: comma-separated, e.g. q_proj,v_proj); [] = peft's
+    # default for the model's family (Llama: q_proj, v_proj)
+    c.model.peft.target_modules = []
 
     c.data = ml_collections.ConfigDict()
     # "bundled", a local text file, a local `datasets` file (.jsonl/.csv/.parquet) / save_to_disk directory, or a hub
@@ -100,7 +110,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.async_save = False
     # SHARDED_STATE_DICT runs: once the last step is done (train.steps reached, or early stopping), also write
     # WORKDIR/export/, the model as from_pretrained loads it (weights in save_dtype, config, tokenizer; no
-    # optimizer state). Not after train.stop_at_step or an interrupt (the run goes on later). FULL: a no-op.
+    # optimizer state). Not after train.stop_at_step or an interrupt (the run goes on later). FULL: a no-op, but
+    # with model.peft (whose checkpoints hold the adapters alone) on either: the base with the adapters merged in
     c.train.export_full_at_end = False
     c.train.resume = False  # continue from the workdir's latest checkpoint
     c.train.save_on_interrupt = True  # on SIGINT/SIGTERM: finish the step, save a checkpoint, exit 130

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import math
 
 from portable_fsdp import capabilities, plan as plan_lib
@@ -119,9 +120,30 @@ def _check_checkpoint_fields(t) -> None:
         raise UserError("train.save_dtype", f"unknown value {t.save_dtype!r}; choose float32 or bfloat16")
 
 
+# The adapter kinds model.peft.type builds (peft's PeftType, in lower case).
+ADAPTER_TYPES = ("lora",)
+
+
+def _check_adapters(peft) -> None:
+    """model.peft: a known kind, a usable rank, scale and dropout, and peft installed."""
+    if not peft.type:
+        return
+    if peft.type not in ADAPTER_TYPES:
+        raise UserError("model.peft.type", f"unknown value {peft.type!r}; choose {', '.join(ADAPTER_TYPES)}, or "
+                        "leave it empty to train the whole model")
+    if peft.r < 1:
+        raise UserError("model.peft.r", f"must be at least 1 (got {peft.r}); 8 or 16 is usual")
+    _positive(peft.alpha, "model.peft.alpha")
+    if not 0.0 <= peft.dropout < 1.0:
+        raise UserError("model.peft.dropout", f"must be in [0, 1) (got {peft.dropout})")
+    if importlib.util.find_spec("peft") is None:
+        raise UserError("model.peft.type", "needs the peft package: pip install 'portable_fsdp[peft]'")
+
+
 def check_train_fields(config, data_parallel_size: int) -> None:
     t, d, m = config.train, config.data, config.model
     _check_length(t, d)
+    _check_adapters(m.peft)
     for name in ("batch_size", "grad_accum_steps", "eval_batch_size", "log_every", "keep_last_n",
                  "collective_timeout_s"):
         _positive(t[name], f"train.{name}")

@@ -170,7 +170,7 @@ def _train(config, plan, backend, backend_name, workdir, state, interrupt, callb
         state = checkpoint_session.resume(backend, state, checkpointing.best(workdir), config, backend_name)
     exported = None
     if t.export_full_at_end and (end_step == t.steps or (stop_reason or "").startswith("early stopping")):
-        if plan.state_dict_type.value == "FULL_STATE_DICT":
+        if plan.state_dict_type.value == "FULL_STATE_DICT" and not config.model.peft.type:  # (adapters: merged)
             if is_main:
                 print(f"warning: train.export_full_at_end has nothing to do with FULL_STATE_DICT: the last checkpoint "
                       f"({saved}) is already what from_pretrained loads", file=sys.stderr, flush=True)

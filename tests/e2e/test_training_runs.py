@@ -58,6 +58,11 @@ def _eval_loss_outside_fsdp(model_dir, overrides):
     """eval_loss of a saved checkpoint computed with plain transformers, over the same eval batches."""
     from transformers import AutoModelForCausalLM
 
+    return eval_loss_of(AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True), overrides)
+
+
+def eval_loss_of(model, overrides):
+    """eval_loss of `model` outside FSDP over the eval batches of the test recipe with `overrides`."""
     from portable_fsdp.config.schema import apply_override, load_recipe
     from portable_fsdp.data.batch import IGNORE_INDEX
     from portable_fsdp.data.batch import EvalBatches
@@ -66,7 +71,6 @@ def _eval_loss_outside_fsdp(model_dir, overrides):
     config = load_recipe(TEST_RECIPE)
     for key, value in overrides.items():
         apply_override(config, key, value)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     data = build_token_data(config.data, config.model.vocab_size, 1)
     total, tokens = 0.0, 0
     with torch.no_grad():

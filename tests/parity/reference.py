@@ -15,8 +15,10 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.training.schedule import for_config
 
 
-def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32) -> list:
-    model = create_model(config, rank=0, rank0_only=False).to(dtype)
+def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32, model=None) -> list:
+    """One process's per-step losses; `model`: the unsharded model to train instead of the config's (AdamW
+    updates only the parameters that get gradients)."""
+    model = (model or create_model(config, rank=0, rank0_only=False)).to(dtype)
     t = config.train
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from portable_fsdp import capabilities
-from portable_fsdp.config.schema import apply_override, base_config, load_recipe
+from portable_fsdp.config.schema import apply_override, base_config, flat_fields, load_recipe
 from portable_fsdp.config.validate import check_backend, resolve_plan
 from tests.conftest import ROOT, TEST_RECIPE
 from tests.unit._helpers import user_error
@@ -71,6 +71,13 @@ REFUSED = [
     ("flax", {"plan.float8": "true"}, "gpu", 2, "plan.float8", "--backend flax has no float8 matmuls"),
     ("cuda", {"plan.float8": "true", "plan.compile": "true", "plan.tp_size": "2"}, None, 2, "plan.float8",
      "with plan.tp_size=2: tensor-parallel float8 layers need torchao's float8 tensor-parallel styles"),
+    ("xla", {"model.peft.type": "lora"}, "CPU", 2, "model.peft.type",
+     "= lora: adapters are trained by --backend cpu or cuda only; use one of them, or leave model.peft.type empty"),
+    ("flax", {"model.peft.type": "lora"}, "cpu", 2, "model.peft.type", "adapters are trained by --backend cpu or cuda"),
+    ("cpu", {"model.peft.type": "lora", "plan.tp_size": "2"}, None, 2, "model.peft.type",
+     "= lora with plan.tp_size=2: torch's tensor-parallel styles split plain Linear layers, not peft's adapted ones"),
+    ("cuda", {"model.peft.type": "lora", "plan.float8": "true", "plan.compile": "true"}, None, 2, "model.peft.type",
+     "the float8 conversion does not look inside peft's adapted layers; set plan.float8=false"),
 ]
 
 
@@ -105,6 +112,7 @@ WITHOUT_EFFECT = [
     ("cpu", {"plan.compile": "true", "plan.tp_size": "2", "plan.activation_checkpointing": "true"}, None, []),
     ("cuda", {"plan.compile": "true", "plan.float8": "true", "plan.activation_checkpointing": "true"}, None, []),
     ("cpu", {"plan.compile": "true", "plan.cpu_offload": "true"}, None, []),
+    ("cuda", {"model.peft.type": "lora"}, None, []),
 ]
 
 
@@ -138,8 +146,7 @@ def test_the_default_config_is_honoured_everywhere(backend, device):
 
 
 def test_every_rule_reads_fields_of_the_schema_and_names_known_targets():
-    fields = {f"{section}.{key}" for section, values in base_config().items() if hasattr(values, "keys")
-              for key in values} | {f"model.{name}" for name in capabilities.MODEL_FIELDS}  # the model's own
+    fields = set(flat_fields(base_config())) | {f"model.{name}" for name in capabilities.MODEL_FIELDS}  # the model's own
     for rule in capabilities.RULES:
         assert rule.field in fields | {"--nproc"}, rule.field
         assert {name for name, _ in rule.when} <= fields | {"device", "--nproc"}, rule

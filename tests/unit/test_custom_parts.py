@@ -138,6 +138,15 @@ def test_transformers_gradient_checkpointing_of_a_custom_module_is_one_line():
         step.init(config, resolve_plan(config, 1), "cpu", step.Parts(model=MLPLanguageModel(vocab_size=384)))
 
 
+def test_adapters_of_the_config_on_a_custom_module_are_one_line():
+    from portable_fsdp.backends.torch import step
+
+    config = make_config({"model.peft.type": "lora"})
+    with pytest.raises(UserError, match=r"^model.peft: adds adapters to the config's model; to a model passed in add "
+                                        r"them yourself \(peft.inject_adapter_in_model\)"):
+        step.init(config, resolve_plan(config, 1), "cpu", step.Parts(model=MLPLanguageModel(vocab_size=384)))
+
+
 def test_parts_cannot_cross_into_started_workers(tmp_path):
     from portable_fsdp.backends.torch.launch import start_workers
     from portable_fsdp.config.accelerate import LaunchSettings

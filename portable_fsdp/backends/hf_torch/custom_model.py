@@ -121,3 +121,6 @@ def check_run(model, config, plan) -> None:
     if config.train.gradient_checkpointing:
         raise UserError("train.gradient_checkpointing", ("is transformers' own checkpointing; for a model passed in "
                                                          "set plan.activation_checkpointing=true instead"))
+    if config.model.peft.type:
+        raise UserError("model.peft", ("adds adapters to the config's model; to a model passed in add them yourself "
+                                       "(peft.inject_adapter_in_model) and leave model.peft unset"))

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import export
+from portable_fsdp.backends.hf_torch import adapters, export
 from portable_fsdp.backends.torch import distributed, save_process, sharded_writer
 from portable_fsdp.backends.torch.dtensors import full_value
 from portable_fsdp.backends.torch.checkpoint_reader import Reader
@@ -49,18 +49,30 @@ def save_checkpoint(state, directory: pathlib.Path):
 def export_weights(state, directory: pathlib.Path) -> dict:
     """Every rank: the FULL checkpoint's weights and model config, no optimizer state (train.export_full_at_end:
     the export of a SHARDED run). Returns {path: checksum or None} of this rank's files."""
-    return checkpoint_files.write_export(_writer(state), directory)
+    return checkpoint_files.write_export(_writer(state, export_merged=True), directory)
 
 
-def _writer(state) -> checkpoint_files.Writer:
-    """This backend's writers of `state`."""
+def _writer(state, export_merged: bool = False) -> checkpoint_files.Writer:
+    """This backend's writers of `state`. With model.peft a checkpoint's weights are the adapters alone (the base
+    is rebuilt from where it came from: model.init_from or the seeded init); an export merges them into the base."""
     train, cuda = state.ctx.config.train, state.ctx.runtime.device.type == "cuda"
+    adapted = adapters.present(state.model) and not export_merged
+
+    def weights(directory):
+        return save_adapters(state.model, directory) if adapted else save_full_weights(state.model, directory, train)
+
+    def model_config(directory, full):
+        written = export.model_config(state.model, state.ctx.info.root_class, directory, train.save_dtype, full)
+        if adapted:
+            written.update(adapters.write_config(state.ctx.config.model.peft, directory,
+                                                 state.ctx.config.model.init_from))
+        return written
+
     return checkpoint_files.Writer(
         rank=dist.get_rank(), full=state.ctx.plan.state_dict_type == StateDictType.FULL_STATE_DICT,
-        weights=lambda directory: save_full_weights(state.model, directory, train),
+        weights=weights,
         optimizer_state=lambda: get_optimizer_state_dict(state.model, state.optimizer, options=FULL),  # rank 0's CPU
-        model_config=lambda directory, full: export.model_config(state.model, state.ctx.info.root_class, directory,
-                                                                 train.save_dtype, full),
+        model_config=model_config,
         sharded=functools.partial(_save_sharded, state), torch_save=torch.save,
         rng_state=lambda: {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if cuda else None})
 
@@ -69,15 +81,27 @@ def _save_sharded(state, sharded: pathlib.Path):
     """torch.distributed.checkpoint's files; with train.async_save, a future of them: the state is copied to host
     memory in a thread while the next step computes its gradients (the step waits for the copy before its update:
     `staged`), then written by this rank's writer process while training goes on."""
-    bundle = {"model": get_model_state_dict(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
+    bundle = {"model": _saved_model_state(state.model), "optim": get_optimizer_state_dict(state.model, state.optimizer)}
+    # peft's files of the adapters too, beside sharded/ (small: gathered whole)
+    peft_files = save_adapters(state.model, sharded.parent) if adapters.present(state.model) else {}
 
     if not state.ctx.config.train.async_save:
         # dcp's own collectives wait for the slowest rank's write: give them the save's bound, not the default's
-        return sharded_writer.save(bundle, sharded, dist.get_rank(), distributed.slow_group(_io_timeout(state)))
+        return {**peft_files, **sharded_writer.save(bundle, sharded, dist.get_rank(),
+                                                    distributed.slow_group(_io_timeout(state)))}
     # the copy into host memory overlaps the next step's forward and backward: only its update must wait (`staged`)
     staging = _staging_thread(state.ctx.runtime.device).submit(_stager(state.ctx.runtime.device.type).stage, bundle)
     _staging.append(staging)
-    return save_process.submit(staging, str(sharded), _io_timeout(state))
+    return checkpoint_files.joined(peft_files, save_process.submit(staging, str(sharded), _io_timeout(state)))
+
+
+def _saved_model_state(model) -> dict:
+    """The model's part of a SHARDED checkpoint: every parameter's shards, or with model.peft the adapters' (the
+    frozen base is rebuilt from where it came from)."""
+    state = get_model_state_dict(model)
+    if not adapters.present(model):
+        return state
+    return {name: tensor for name, tensor in state.items() if adapters.is_adapter(name)}
 
 
 _staging: list = []  # the copy of a background save's state still being made
@@ -113,19 +137,44 @@ def _io_timeout(state) -> float:
 
 def save_full_weights(model, directory: pathlib.Path, train) -> dict:
     """Every rank: the model's weights into safetensors shards (see the module's docstring), one parameter at a
-    time. Returns {path: checksum} of the shards this rank wrote (rank 0: and the index)."""
+    time; with model.peft's adapters, merged into the weights they adapt (merge_and_unload's). Returns {path:
+    checksum} of the shards this rank wrote (rank 0: and the index)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     skip = export.tied_copies(model)
-    local = {n: t for n, t in get_model_state_dict(model).items() if n not in skip}  # shards: nothing gathered
+    state = get_model_state_dict(model)  # shards: nothing gathered
+    local = {adapters.base_name(n): (n, t) for n, t in state.items() if n not in skip and not adapters.is_adapter(n)}
+    partners = adapters.merge_partners(model)
     writer = safetensors_shards.Writer(
-        directory, [export.entry(n, t, t.shape, train.save_dtype) for n, t in local.items()],
+        directory, [export.entry(n, t, t.shape, train.save_dtype) for n, (_, t) in local.items()],
         safetensors_shards.parse_size(train.max_shard_size), rank, world)
-    for name, tensor in local.items():
+    for name, (key, tensor) in local.items():
         full = full_value(tensor)  # a collective: every rank (an offloaded shard gathered on its mesh's device)
+        if key in partners:
+            lora_a, lora_b, scale = partners[key]
+            full = adapters.merged_weight(full, full_value(state[lora_a]), full_value(state[lora_b]), scale)
         if writer.owner(name) == rank:
             writer.write(name, export.host_bytes(full, train.save_dtype))
         del full
     return writer.close()
+
+
+def save_adapters(model, directory: pathlib.Path) -> dict:
+    """Every rank (each adapter gathered whole in turn, a collective); rank 0 writes peft's
+    adapter_model.safetensors. Returns {path: None} of what this rank wrote."""
+    gathered = {n: full_value(t).cpu() for n, t in get_model_state_dict(model).items() if adapters.is_adapter(n)}
+    return adapters.write_weights(gathered, directory) if dist.get_rank() == 0 else {}
+
+
+def load_adapters(model, directory: pathlib.Path) -> None:
+    """Every rank: its slice of each adapter from peft's adapter_model.safetensors (the base stays as built)."""
+    stored = adapters.read_weights(directory)
+    for name, param in model.named_parameters():
+        clean = export.clean_name(name)
+        if adapters.is_adapter(clean):
+            key = adapters.peft_key(clean)
+            if key not in stored:
+                raise UserError("train.resume", f"the adapters in {directory} lack {key}: another model.peft")
+            fill(param, stored[key])
 
 
 def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
@@ -149,7 +198,10 @@ def load_checkpoint(state, directory: pathlib.Path, manifest: dict):
 
 
 def _load_full(state, directory: pathlib.Path) -> None:
-    load_full_weights(state.model, directory)
+    if adapters.present(state.model):
+        load_adapters(state.model, directory)
+    else:
+        load_full_weights(state.model, directory)
     optim_file = directory / checkpointing.OPTIMIZER
     if optim_file.exists():
         # mapped, not read: each rank reads only the rows of its own shards
@@ -207,11 +259,11 @@ def load_full_weights(model, directory: pathlib.Path) -> None:
 
 
 def _load_sharded(state, directory: pathlib.Path) -> None:
-    model_sd = get_model_state_dict(state.model)
+    model_sd = _saved_model_state(state.model)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
     bundle = {"model": model_sd, "optim": optim_sd}
     # dcp's collectives wait for the slowest rank's read: give them the load's bound, not the default's
     dcp.load(bundle, storage_reader=Reader(directory / checkpointing.SHARDED),
              process_group=distributed.slow_group(_io_timeout(state)))
-    set_model_state_dict(state.model, bundle["model"])
+    set_model_state_dict(state.model, bundle["model"], options=StateDictOptions(strict=not adapters.present(state.model)))
     set_optimizer_state_dict(state.model, state.optimizer, bundle["optim"])

@@ -32,7 +32,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from portable_fsdp.backends.hf_torch import chunked_loss, experts, model as model_lib
+from portable_fsdp.backends.hf_torch import adapters, chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss
 from portable_fsdp.backends.hf_torch.optimizer import build_optimizer
 from portable_fsdp.backends.torch import distributed, expert_parallel, step as step_lib
@@ -167,6 +167,7 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
     micro_rows = config.train.batch_size // (plan.mesh.data_parallel_size * config.train.grad_accum_steps)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_lib.create_model(config, rank, rank0_only=False)
+        adapters.add(model, config.model.peft)
         model_lib.freeze_parameters(model, config.train.freeze)
         if config.train.gradient_checkpointing:
             model_lib.enable_gradient_checkpointing(model)

@@ -9,6 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from portable_fsdp.backends.hf_torch.adapters import base_name
 
 
 def broadcast_from_rank0(model, full_state_dict, parameters_on: torch.device, compute_on: torch.device) -> None:
@@ -64,8 +65,9 @@ def materialize_shards(model, on_meta, parameters_on: torch.device, compute_on: 
 
 
 def _unwrapped_name(name: str) -> str:
-    """A parameter's name in the model as built (a checkpointed layer's sit inside its wrapper)."""
-    return name.replace(CHECKPOINT_WRAPPED + ".", "")
+    """A parameter's name in the model as built (a checkpointed layer's sit inside its wrapper, an adapted
+    Linear's inside peft's layer)."""
+    return base_name(name.replace(CHECKPOINT_WRAPPED + ".", ""))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from portable_fsdp.backends.hf_torch import chunked_loss, custom_model, experts, model as model_lib
+from portable_fsdp.backends.hf_torch import adapters, chunked_loss, custom_model, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.custom_model import logits_of
 from portable_fsdp.backends.hf_torch.loss import Objective, RouterLoss, accumulate_gradients, divide_gradients
 from portable_fsdp.backends.hf_torch.optimizer import apply_update, build_optimizer, learning_rates
@@ -32,7 +32,7 @@ from portable_fsdp.backends.torch import sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, sequence_shard
 from portable_fsdp.backends.torch.context_parallel.collectives import gather_sequence_no_grad
 from portable_fsdp.backends.torch.mesh import Meshes, build_meshes
-from portable_fsdp.backends.torch.model import broadcast_from_rank0, materialize_shards
+from portable_fsdp.backends.torch.model import broadcast_from_rank0, fill, materialize_shards
 from portable_fsdp.backends.torch.parallelize import DTYPES, parallelize, shards
 from portable_fsdp.backends.torch.sequence_parallel import SPGroup
 from portable_fsdp.backends.torch.tensor_parallel import all_reduce_replicated_gradients, sync_rng
@@ -103,6 +103,7 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
         sp = SPGroup(group=meshes.sp.get_group(), sp_rank=meshes.sp_rank, sp_size=plan.mesh.sp_size)
     rank0_only = plan.cpu_ram_efficient_loading and parts.model is None
     model, on_meta = _build_model(config, plan, meshes, runtime, parts)
+    adapters.add(model, config.model.peft)  # before parallelize: its layers are sharded with the base's
     full_weights = model.state_dict() if rank0_only and runtime.rank == 0 else None
     model_lib.freeze_parameters(model, config.train.freeze)
     if config.train.gradient_checkpointing:
@@ -118,6 +119,8 @@ def init(config, plan: ShardingPlan, backend: str, parts: Parts = NO_PARTS) -> T
         broadcast_from_rank0(model, full_weights, parameters_on, runtime.device)
     if on_meta:
         materialize_shards(model, on_meta, parameters_on, runtime.device)
+    if adapters.wanted(config.model.peft):  # the same starting adapters however the base was built
+        adapters.initialize(model, config.seed, fill)
     sync_rng(meshes.tp, runtime.device)  # dropout on the replicated activations of a tp group must agree
     optimizer = build_optimizer(((p, p.ndim) for p in model.parameters()), config.train, parameters_on.type,
                                 parts.optimizer)
