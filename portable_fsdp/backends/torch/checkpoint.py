@@ -143,7 +143,7 @@ def save_full_weights(model, directory: pathlib.Path, train) -> dict:
     skip = export.tied_copies(model)
     state = get_model_state_dict(model)  # shards: nothing gathered
     local = {adapters.base_name(n): (n, t) for n, t in state.items() if n not in skip and not adapters.is_adapter(n)}
-    partners = adapters.merge_partners(model)
+    partners = adapters.merge_partners(model) if adapters.present(model) else {}  # peft is an extra: only then
     writer = safetensors_shards.Writer(
         directory, [export.entry(n, t, t.shape, train.save_dtype) for n, (_, t) in local.items()],
         safetensors_shards.parse_size(train.max_shard_size), rank, world)
