@@ -148,7 +148,7 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     StopTraining ends the run with a checkpoint (portable_fsdp.training.callbacks; EarlyStopping is one).
     `model`, `loss`, `optimizer`, `schedule`: as `init` takes them, in place of the config's. Raises
     UserError on a bad setting, RunFailed when the run fails after it started."""
-    from portable_fsdp.launch import launcher as launch
+    from portable_fsdp.launch import cluster, launcher as launch
     from portable_fsdp.cli import default_workdir
 
     name = backends.resolve(backend, config)
@@ -158,7 +158,8 @@ def train(config, backend: str = backends.DEFAULT, workdir=None, nproc: int | No
     workdir = storage.working_copy(workdir) if storage.is_url(workdir) else \
         pathlib.Path(workdir) if workdir else default_workdir("train")
     try:
-        return launch.start(config, name, workdir, nproc, callbacks=callbacks,
-                            parts=Parts(model, loss, optimizer, schedule))
+        with cluster.rank_environment():  # a run in this process leaves no rank variables behind
+            return launch.start(config, name, workdir, nproc, callbacks=callbacks,
+                                parts=Parts(model, loss, optimizer, schedule))
     except SystemExit as exit_:
         raise RunFailed(exit_.code if isinstance(exit_.code, int) else 1) from None

@@ -31,6 +31,16 @@ def read_metrics(workdir):
     return [json.loads(line) for line in lines]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def rank_environment_per_file():
+    """torchrun's variables as each test file found them: `portable_fsdp.load_backend` makes its process rank 0 of 1
+    for good, and a file's leftovers would make the next file's process look like one rank of a run."""
+    from portable_fsdp.launch.cluster import rank_environment
+
+    with rank_environment():
+        yield
+
+
 @pytest.fixture
 def test_recipe():
     return TEST_RECIPE

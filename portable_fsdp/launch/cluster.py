@@ -14,6 +14,7 @@ MASTER_ADDR / MASTER_PORT win over what the scheduler implies, so a job script t
 imports a framework: the launcher and the command read it before any worker starts."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -38,6 +39,27 @@ class Machines:
     port: int
     nproc: int | None
     count_variable: str
+
+
+# torchrun's variables: what makes a process one rank of a run.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def rank_environment(**variables):
+    """torchrun's variables as they are (and `variables` set), taken back afterwards: a caller of the Python API
+    that trains in this process and then again (another backend, another world size) must not look like a
+    torchrun worker, nor one of the world before."""
+    saved = {name: os.environ.get(name) for name in {*RANK_VARIABLES, *variables}}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def under_torchrun(environ=os.environ) -> bool:

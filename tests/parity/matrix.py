@@ -112,7 +112,8 @@ DEFAULT = {
             "cp2_allgather", "cp2_alltoall", "documents_cp2_allgather", "documents_cp2_alltoall",
             "fsdp2_cp2_allgather", "fsdp2_cp2_alltoall", "fsdp2_cp2_alltoall_checkpointing", "cp4_allgather",
             "cp4_alltoall_contiguous", "tp2", "ddp2", "loss_chunks", "unchunked_loss"],
-    "xla": ["base", "activation_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2", "v1", "loss_chunks"],
+    "xla": ["base", "activation_checkpointing", "fsdp4", "fsdp4_checkpointing", "fsdp2_cp2_allgather", "fsdp2_tp2",
+            "v1", "loss_chunks"],
     "flax": ["base", "batch8_accum4", "activation_checkpointing", "cp2_allgather", "fsdp2_tp2", "loss_chunks"],
 }
 

@@ -262,3 +262,22 @@ def test_several_slurm_nodes_need_a_workdir(environment, capsys, tasks_per_node)
     assert command_error(capsys) == (2, [
         "error: --workdir: SLURM_STEP_NUM_NODES: 2 needs --workdir, one directory every machine writes to "
         "(gs://bucket/run, or a shared mount): checkpoints hold every machine's files"])
+
+
+def test_a_run_in_this_process_leaves_no_rank_variables_behind(monkeypatch, tmp_path):
+    """xla and flax start their one process by setting torchrun's variables; pf.train takes them back, so that a
+    next pf.init (another backend) is rank 0 of 1 again rather than a half-set torchrun worker."""
+    import portable_fsdp as pf
+    from portable_fsdp.launch import launcher
+
+    for name in cluster.RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29999")  # one the caller set stays as it was
+
+    def start(*args, **kwargs):
+        os.environ.update(WORLD_SIZE="2", RANK="0", MASTER_PORT="1234")
+        return {"steps": "done"}
+
+    monkeypatch.setattr(launcher, "start", start)
+    assert pf.train(pf.get_config("llama_tiny:test"), backend="cpu", workdir=tmp_path / "w") == {"steps": "done"}
+    assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ and os.environ["MASTER_PORT"] == "29999"

@@ -4,7 +4,6 @@ local processes (one process runs in place), on one machine or — from an Accel
 joining the other machines' launchers in one rendezvous."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
@@ -12,7 +11,7 @@ import sys
 import tempfile
 import uuid
 
-from portable_fsdp.launch import worker
+from portable_fsdp.launch import cluster, worker
 from portable_fsdp.errors import Interrupted, TrainingDiverged, UserError
 from portable_fsdp.launch.launcher import rendezvous_port, under_torchrun
 
@@ -62,7 +61,7 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         return worker.main(spec)
     checks(config, backend, nproc * nodes.num_machines, workdir)
     if nproc == 1 and not nodes.multi_node:
-        with _rank_environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        with cluster.rank_environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port(nodes.main_process_port))):
             return worker.main(spec)
     for key, given in (("callbacks", spec.get("callbacks")), ("parts", spec.get("parts") and spec["parts"].given())):
@@ -71,22 +70,6 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
             raise UserError(name, (f"live in this process, where started workers cannot call them: use nproc=1 "
                                    f"(got {nproc}), or call train under torchrun, where every process passes its own"))
     return _elastic_launch(spec, nproc, nodes)
-
-
-@contextlib.contextmanager
-def _rank_environment(**variables):
-    """torchrun's variables for a run in this process, taken back afterwards: a caller of the Python API that
-    trains again (another backend, another world size) must not look like a torchrun worker."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _rendezvous(nodes) -> dict:
