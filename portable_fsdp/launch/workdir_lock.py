@@ -47,6 +47,7 @@ class WorkdirLock:
         if self._fd is None:
             return
         self._stop.set()
+        self._beat.join()  # a beat already past its wait touches the file before it is closed, never after
         try:
             if _same_file(self.path, self._fd):
                 self.path.unlink()

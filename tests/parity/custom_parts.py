@@ -14,6 +14,7 @@ from portable_fsdp.data.loader import TrainBatches, build_token_data
 from portable_fsdp.training.parts import LossInputs
 from portable_fsdp.training.schedule import for_config
 from tests.parity.matrix import make_config
+from tests.parity.reference import take_step
 
 
 def mlp(config, on_meta: bool) -> MLPLanguageModel:
@@ -107,12 +108,7 @@ def reference_losses(name: str, steps: int) -> dict:
         positions = None if batch.position_ids is None else torch.from_numpy(batch.position_ids)
         total, count = loss_fn(forward(ids, positions), LossInputs(ids, labels, positions))
         (total / count).backward()
-        if t.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        take_step(model, optimizer, t.max_grad_norm, schedule(step))
         losses.append((total / count).item())
         lrs.append(schedule(step))
     return {"losses": losses, "lrs": lrs}

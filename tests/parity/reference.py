@@ -40,14 +40,19 @@ def reference_losses(config, steps: int, dtype: torch.dtype = torch.float32, mod
         if getattr(outputs, "aux_loss", None) is not None:  # a MoE model whose config sets output_router_logits
             loss = loss + model.router_aux_loss_coef * outputs.aux_loss  # as the model's own forward adds it
         loss.backward()
-        if t.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        take_step(model, optimizer, t.max_grad_norm, schedule(step))
         losses.append(loss.item())
     return losses
+
+
+def take_step(model, optimizer, max_grad_norm: float, lr: float) -> None:
+    """The update after a backward, as every backend takes it: clip to max_grad_norm (when > 0), set lr, step."""
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def max_relative_difference(a, b) -> float:

@@ -125,6 +125,32 @@ def test_the_heartbeat_refreshes_the_file(tmp_path, monkeypatch):
     lock.release()
 
 
+def test_a_beat_under_way_when_the_lock_is_released_never_touches_a_closed_file(tmp_path, monkeypatch):
+    """The heartbeat past its wait as release() runs (a loaded machine): it finishes before the file is closed."""
+    import threading
+
+    beating, released = threading.Event(), threading.Event()
+    errors = []
+    touch = os.utime
+
+    def slow_touch(fd, *args):
+        beating.set()
+        released.wait(0.5)  # release() runs meanwhile
+        try:
+            touch(fd, *args)
+        except BaseException as err:  # what the thread would die of
+            errors.append(err)
+
+    monkeypatch.setattr(workdir_lock, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(workdir_lock.os, "utime", slow_touch)
+    lock = workdir_lock.acquire(tmp_path)
+    assert beating.wait(5)
+    lock.release()
+    released.set()
+    lock._beat.join(5)
+    assert errors == [] and not (tmp_path / ".lock").exists()
+
+
 def test_a_claim_takes_the_lock_only_for_the_owner(tmp_path):
     with workdir_lock.Claim(lambda: False) as claim:
         claim.take(tmp_path)

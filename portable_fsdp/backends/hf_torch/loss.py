@@ -77,7 +77,6 @@ class Objective:
             return cross_entropy_sum(logits_of(outputs), labels), None
         return _sum_and_count(self.loss(outputs, LossInputs(input_ids, labels, position_ids)), labels.device)
 
-
     def outputs(self, model, input_ids, position_ids):
         """What the model returns for these tokens (logits, or an object holding them)."""
         return (self.forward or transformers_forward)(model, input_ids, position_ids)
