@@ -1,6 +1,7 @@
 """The plan applied to a transformers model with torch_xla, one technique per function, in a fixed order:
-tensor parallelism and Ulysses sequence parallelism (annotations of activations), gradient checkpointing of
-each layer, then the FSDP wrap (each unit the wrap policy picks, then the root).
+tensor parallelism, expert parallelism (tokens dispatched to their experts' devices) and Ulysses sequence
+parallelism (annotations of activations), gradient checkpointing of each layer, then the FSDP wrap (each unit the
+wrap policy picks, then the root).
 
 SPMD FSDPv2 (`SpmdFullyShardedDataParallel`) runs on one mesh with every axis of the plan: each parameter is
 annotated with its partition spec (portable_fsdp/backends/xla/layout.py: over fsdp, and over tp, ep, cp|sp as the plan
@@ -25,6 +26,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullySha
 from portable_fsdp import placement
 from portable_fsdp.backend import ModelInfo
 from portable_fsdp.backends.xla import layout
+from portable_fsdp.backends.xla.expert_dispatch import apply_expert_dispatch
 from portable_fsdp.backends.xla.materialize import materialize_sharded
 from portable_fsdp.backends.xla.runtime import Runtime
 from portable_fsdp.mesh_fit import tensor_parallel_plan
@@ -41,6 +43,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, runtime: Runtime, info: Mo
         tp_plan = tensor_parallel_plan(plan, info) if plan.mesh.tp_size > 1 else {}
         specs = layout.parameter_specs(model, tp_plan, info.num_experts if plan.mesh.ep_size > 1 else 0, plan.mesh)
         apply_tensor_parallel(model, tp_plan, runtime.mesh)
+        if plan.mesh.ep_size > 1:
+            apply_expert_dispatch(model, runtime.mesh)
         if plan.mesh.sp_size > 1:
             apply_sequence_parallel(model, runtime.mesh)
     if plan.activation_checkpointing:  # the plan folds HF's xla_fsdp_grad_ckpt into it

@@ -1,0 +1,120 @@
+"""One tiny Mixtral experts layer run by the xla backend's experts (expert_blocks.py; expert_dispatch.py under expert
+parallelism) on PJRT CPU devices, against transformers' own experts in plain torch on the host; writes JSON.
+
+    python tests/xla/moe_check.py OUT.json DEVICES EP_SIZE TP_SIZE
+
+Reports the largest differences of the output and of the gradients (tokens, router weights, both expert weights),
+and the collectives of the compiled, partitioned step (XLA's dump of the optimized HLO): each all-gather's result
+shape, and how many all-to-alls, collective-permutes, all-reduces and reduce-scatters it runs.
+"""
+import copy
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from portable_fsdp.backends.xla import environment  # noqa: E402  (imports no torch_xla)
+
+OUT, DEVICES, EP_SIZE, TP_SIZE = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+environment.configure(DEVICES)
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+DUMP = tempfile.mkdtemp(prefix="moe-hlo-")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+from transformers import MixtralConfig  # noqa: E402
+from transformers.integrations.moe import batched_mm_experts_forward  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
+
+from portable_fsdp import placement  # noqa: E402
+from portable_fsdp.backends.xla import expert_blocks, expert_dispatch, layout  # noqa: E402
+from portable_fsdp.plan import MeshSpec  # noqa: E402
+
+TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 16, 24, 4, 2
+COLLECTIVES = ("all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+
+def layer_inputs():
+    """Seeded experts, token states, router choices (expert 0 chosen by no token, expert 1 by every token) and
+    router weights, on the host."""
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS,
+                           num_experts_per_tok=TOP_K)
+    config._experts_implementation = "eager"
+    experts = MixtralExperts(config)
+    for parameter in experts.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    hidden = torch.randn(TOKENS, HIDDEN)
+    second = torch.randint(2, EXPERTS, (TOKENS,))
+    top_k_index = torch.stack([torch.ones_like(second), second], dim=1)
+    top_k_weights = torch.rand(TOKENS, TOP_K)
+    return experts, hidden, top_k_index, top_k_weights
+
+
+def output_and_grads(experts, hidden, top_k_index, top_k_weights, forward, cotangent):
+    hidden, top_k_weights = hidden.clone().requires_grad_(), top_k_weights.clone().requires_grad_()
+    out = forward(experts, hidden, top_k_index, top_k_weights)
+    (out * cotangent).sum().backward()
+    return [t.detach() for t in (out, hidden.grad, top_k_weights.grad, experts.gate_up_proj.grad,
+                                 experts.down_proj.grad)]
+
+
+def on_mesh(experts, hidden, top_k_index, top_k_weights, cotangent):
+    """The xla run: weights placed as the backend places them, token rows over the data-parallel devices."""
+    spec = MeshSpec(ep_size=EP_SIZE, tp_size=TP_SIZE).resolve(DEVICES)
+    mesh = xs.Mesh(np.arange(DEVICES), layout.mesh_shape(spec), placement.MESH_AXES)
+    sizes = placement.axis_sizes(spec)
+    device = torch_xla.device()
+    experts = experts.to(device)
+    for parameter in experts.parameters():
+        xs.mark_sharding(parameter, mesh, layout.parameter_spec(tuple(parameter.shape), sizes, expert=EP_SIZE > 1))
+    rows = (placement.DATA_AXES + placement.SEQUENCE_AXES, None)
+    hidden, top_k_index, top_k_weights, cotangent = (xs.mark_sharding(t.to(device), mesh, rows).global_tensor
+                                                     for t in (hidden, top_k_index, top_k_weights, cotangent))
+    if EP_SIZE > 1:
+        groups = EP_SIZE
+
+        def forward(*args):
+            return expert_dispatch.dispatching_forward(*args, mesh=mesh, groups=groups)
+    else:
+        forward = expert_blocks.experts_forward
+    results = output_and_grads(experts, hidden, top_k_index, top_k_weights, forward, cotangent)
+    torch_xla.sync()
+    return [t.cpu() for t in results]
+
+
+def collectives() -> dict:
+    """The collectives of the compiled step programs (the largest optimized modules XLA dumped)."""
+    texts = [p.read_text() for p in pathlib.Path(DUMP).glob("*after_optimizations.txt")]
+    step = max(texts, key=len)
+    found = {name: len(re.findall(rf"= \S+ {name}(?:-start)?\(", step)) for name in COLLECTIVES}
+    found["all-gather"] = re.findall(r"= (\S+\[[\d,]*\])\S* all-gather(?:-start)?\(", step)
+    return found
+
+
+def main() -> None:
+    xr.use_spmd()
+    experts, hidden, top_k_index, top_k_weights = layer_inputs()
+    cotangent = torch.randn(TOKENS, HIDDEN)
+    # xla first: torch's autograd engine sizes its device queues at its first backward
+    ours = on_mesh(copy.deepcopy(experts), hidden, top_k_index, top_k_weights, cotangent)
+    reference = output_and_grads(experts, hidden, top_k_index, top_k_weights, batched_mm_experts_forward, cotangent)
+    names = ("output", "hidden_grad", "router_weight_grad", "gate_up_proj_grad", "down_proj_grad")
+    shape = expert_blocks.Shape(TOKENS, TOP_K, EXPERTS, max(EP_SIZE, 1))
+    result = {"differences": {n: float((a - b).abs().max()) for n, a, b in zip(names, ours, reference)},
+              "collectives": collectives(), "slots": shape.slots, "pairs": TOKENS * TOP_K, "rows": shape.rows,
+              "experts": EXPERTS, "weight_shapes": [list(experts.gate_up_proj.shape), list(experts.down_proj.shape)]}
+    pathlib.Path(OUT).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
