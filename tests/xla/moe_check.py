@@ -81,10 +81,8 @@ def on_mesh(experts, hidden, top_k_index, top_k_weights, cotangent):
     hidden, top_k_index, top_k_weights, cotangent = (xs.mark_sharding(t.to(device), mesh, rows).global_tensor
                                                      for t in (hidden, top_k_index, top_k_weights, cotangent))
     if EP_SIZE > 1:
-        groups = EP_SIZE
-
         def forward(*args):
-            return expert_dispatch.dispatching_forward(*args, mesh=mesh, groups=groups)
+            return expert_dispatch.dispatching_forward(*args, mesh=mesh)
     else:
         forward = expert_blocks.experts_forward
     results = output_and_grads(experts, hidden, top_k_index, top_k_weights, forward, cotangent)
@@ -96,8 +94,10 @@ def collectives() -> dict:
     """The collectives of the compiled step programs (the largest optimized modules XLA dumped)."""
     texts = [p.read_text() for p in pathlib.Path(DUMP).glob("*after_optimizations.txt")]
     step = max(texts, key=len)
-    found = {name: len(re.findall(rf"= \S+ {name}(?:-start)?\(", step)) for name in COLLECTIVES}
-    found["all-gather"] = re.findall(r"= (\S+\[[\d,]*\])\S* all-gather(?:-start)?\(", step)
+    result = r"= (\([^)]*\)|\S+) "  # one shape, or a tuple of them
+    found = {name: len(re.findall(rf"{result}{name}(?:-start)?\(", step)) for name in COLLECTIVES}
+    found["all-gather"] = [re.sub(r"\{[\d,]*\}", "", shape)  # without the layouts
+                           for shape in re.findall(rf"{result}all-gather(?:-start)?\(", step)]
     return found
 
 
@@ -109,10 +109,11 @@ def main() -> None:
     ours = on_mesh(copy.deepcopy(experts), hidden, top_k_index, top_k_weights, cotangent)
     reference = output_and_grads(experts, hidden, top_k_index, top_k_weights, batched_mm_experts_forward, cotangent)
     names = ("output", "hidden_grad", "router_weight_grad", "gate_up_proj_grad", "down_proj_grad")
-    shape = expert_blocks.Shape(TOKENS, TOP_K, EXPERTS, max(EP_SIZE, 1))
+    sources = DEVICES if EP_SIZE > 1 else 1  # under ep every device dispatches its own tokens
+    shape = expert_blocks.Shape(TOKENS // sources, TOP_K, EXPERTS, EP_SIZE, sources)
     result = {"differences": {n: float((a - b).abs().max()) for n, a, b in zip(names, ours, reference)},
-              "collectives": collectives(), "slots": shape.slots, "pairs": TOKENS * TOP_K, "rows": shape.rows,
-              "experts": EXPERTS, "weight_shapes": [list(experts.gate_up_proj.shape), list(experts.down_proj.shape)]}
+              "collectives": collectives(), "tokens": TOKENS, "experts": EXPERTS, "slots": sources * shape.slots,
+              "pairs": TOKENS * TOP_K}
     pathlib.Path(OUT).write_text(json.dumps(result))
 
 

@@ -9,10 +9,10 @@ all experts together fill at most (pairs + experts·(rows − 1)) / rows — the
 blocks past the experts' own are empty. Nothing is dropped (no capacity factor): a step is that of the model's own
 experts.
 
-With `groups` > 1 (expert parallelism: portable_fsdp/backends/xla/expert_dispatch.py) the experts are split into
-`groups` equal, consecutive parts and the blocks are laid out [groups, blocks, rows]: the blocks of group g hold
-only the pairs of group g's experts, each group bounded by its own worst case (every token sending it all the pairs
-it can).
+Expert parallelism (portable_fsdp/backends/xla/expert_dispatch.py) adds two leading dimensions: `sources`, the
+token shards (each routes its own tokens), and `groups`, equal parts of consecutive experts — blocks
+[sources, groups, blocks, rows], the blocks of group g holding only the pairs of group g's experts, each group
+sized for its own worst case (every token of the source sending it all the pairs it can).
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def block_rows(pairs: int, experts: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The static layout of one MoE layer's blocks for `tokens` tokens with `top_k` experts each."""
+    """The static layout of one MoE layer's blocks: `tokens` tokens per source with `top_k` experts each."""
     tokens: int
     top_k: int
     experts: int
     groups: int = 1
+    sources: int = 1
 
     @property
     def rows(self) -> int:
@@ -56,55 +57,63 @@ class Shape:
 
     @property
     def slots(self) -> int:
-        """Rows the experts' matmuls run on: the routed pairs and the empty slots of the bound."""
+        """Rows per source the experts' matmuls run on: its routed pairs and the empty slots of the bound."""
         return self.groups * self.blocks_per_group * self.rows
+
+    @property
+    def blocks(self) -> tuple:
+        return self.sources, self.groups, self.blocks_per_group, self.rows
 
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Where each slot's pair comes from (`pair`, [slots]; `tokens·top_k` for an empty slot) and the expert of each
-    block within its group (`expert`, [groups, blocks_per_group])."""
+    """Per source: the pair in each slot (`pair`, [sources, slots]; `tokens·top_k` for an empty slot), its token
+    (`token`, the last token for an empty slot: its result weighs 0), and the expert of each block within its group
+    (`expert`, [sources, groups, blocks_per_group])."""
     pair: torch.Tensor
+    token: torch.Tensor
     expert: torch.Tensor
 
 
 def route(top_k_index: torch.Tensor, shape: Shape) -> Routing:
-    """Places the pairs: computed from counts and prefix sums (no sort, no data-dependent shape)."""
+    """Places each source's pairs: computed from counts and prefix sums (no sort, no data-dependent shape)."""
     with torch.no_grad():
-        experts = top_k_index.reshape(-1)
-        pairs = experts.numel()
-        one_hot = (experts[:, None] == torch.arange(shape.experts, device=experts.device)).long()
-        rank = ((one_hot.cumsum(0) - 1) * one_hot).sum(1)  # the pair's place among its expert's pairs
-        blocks = (one_hot.sum(0) + shape.rows - 1) // shape.rows  # per expert
-        ends = blocks.view(shape.groups, shape.experts_per_group).cumsum(1)  # within each group
-        first = (ends - blocks.view_as(ends)).view(-1)
+        experts = top_k_index.reshape(shape.sources, -1)
+        pairs = experts.shape[1]
+        device = experts.device
+        one_hot = (experts[..., None] == torch.arange(shape.experts, device=device)).long()
+        rank = ((one_hot.cumsum(1) - 1) * one_hot).sum(2)  # the pair's place among its expert's pairs
+        blocks = (one_hot.sum(1) + shape.rows - 1) // shape.rows  # [sources, experts]
+        ends = blocks.view(shape.sources, shape.groups, shape.experts_per_group).cumsum(2)  # within each group
+        first = (ends - blocks.view_as(ends)).view(shape.sources, 1, shape.experts)
         group = torch.div(experts, shape.experts_per_group, rounding_mode="floor")
-        slot = (group * shape.blocks_per_group + first[experts]) * shape.rows + rank
-        pair = torch.full((shape.slots,), pairs, dtype=torch.long, device=experts.device)
-        pair = pair.scatter(0, slot, torch.arange(pairs, device=experts.device))
-        block = torch.arange(shape.blocks_per_group, device=experts.device)
-        expert = (block[None, :, None] >= ends[:, None, :]).sum(-1).clamp(max=shape.experts_per_group - 1)
-    return Routing(pair, expert)
+        slot = (group * shape.blocks_per_group + (one_hot * first).sum(2)) * shape.rows + rank
+        pair = torch.full((shape.sources, shape.slots), pairs, dtype=torch.long, device=device)
+        pair = pair.scatter(1, slot, torch.arange(pairs, device=device).expand_as(slot))
+        token = torch.div(pair, shape.top_k, rounding_mode="floor").clamp(max=shape.tokens - 1)
+        block = torch.arange(shape.blocks_per_group, device=device)
+        expert = (block[:, None] >= ends[:, :, None, :]).sum(-1).clamp(max=shape.experts_per_group - 1)
+    return Routing(pair, token, expert)
 
 
-def gather_tokens(hidden: torch.Tensor, routing: Routing, shape: Shape) -> torch.Tensor:
-    """The slots' token states [groups, blocks, rows, hidden] (an empty slot holds the last token's: its result
-    weighs 0)."""
-    return hidden[_slot_tokens(routing, shape)].view(shape.groups, shape.blocks_per_group, shape.rows, -1)
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`source` [sources, n, ...] rows picked per source by `index` [sources, m]: [sources, m, ...]."""
+    flat = index + torch.arange(index.shape[0], device=index.device)[:, None] * source.shape[1]
+    return source.flatten(0, 1)[flat.reshape(-1)].view(*index.shape, *source.shape[2:])
 
 
-def scatter_results(results: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing,
-                    shape: Shape) -> torch.Tensor:
-    """Each token's sum of its pairs' results times their router weights, [tokens, hidden] (results' dtype)."""
-    results = results.reshape(shape.slots, -1)
-    weights = F.pad(top_k_weights.reshape(-1), (0, 1))[routing.pair]  # empty slots weigh 0
-    weighted = results * weights[:, None]
-    return weighted.new_zeros(shape.tokens, weighted.shape[-1]).index_add(0, _slot_tokens(routing, shape), weighted)
+def add_rows(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The transpose of gather_rows: `values` [sources, m, ...] added into rows `index` [sources, m] of zeros
+    [sources, rows, ...]."""
+    flat = index + torch.arange(index.shape[0], device=index.device)[:, None] * rows
+    total = values.new_zeros(index.shape[0] * rows, *values.shape[2:])
+    return total.index_add(0, flat.reshape(-1), values.flatten(0, 1)).view(index.shape[0], rows, *values.shape[2:])
 
 
-def _slot_tokens(routing: Routing, shape: Shape) -> torch.Tensor:
-    # No padding row for empty slots: [tokens, ...] tensors keep a shape the devices divide evenly.
-    return torch.div(routing.pair, shape.top_k, rounding_mode="floor").clamp(max=shape.tokens - 1)
+def slot_weights(top_k_weights: torch.Tensor, routing: Routing, shape: Shape, gather=gather_rows) -> torch.Tensor:
+    """Each slot's router weight [sources, slots, 1] (0 in empty slots)."""
+    weights = F.pad(top_k_weights.reshape(shape.sources, -1, 1), (0, 0, 0, 1))  # the empty slots' 0
+    return gather(weights, routing.pair)
 
 
 def run_blocks(module, states: torch.Tensor, pick) -> torch.Tensor:
@@ -126,11 +135,12 @@ def _block_linear(module, states: torch.Tensor, name: str, pick) -> torch.Tensor
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts signature (hidden [tokens, hidden], top-k expert ids and weights [tokens, top_k]),
-    every block in one group."""
+    """transformers' experts signature (hidden [tokens, hidden], top-k expert ids and weights [tokens, top_k]):
+    one source, one group."""
     shape = Shape(hidden_states.shape[0], top_k_index.shape[-1], module.num_experts)
     routing = route(top_k_index, shape)
+    states = gather_rows(hidden_states[None], routing.token).view(*shape.blocks, -1)
     expert = routing.expert.view(-1)
-    results = run_blocks(module, gather_tokens(hidden_states, routing, shape),
-                         lambda p: p[expert].view(1, shape.blocks_per_group, *p.shape[1:]))
-    return scatter_results(results, top_k_weights, routing, shape).to(hidden_states.dtype)
+    results = run_blocks(module, states, lambda p: p[expert].view(*shape.blocks[:3], *p.shape[1:]))
+    weighted = results.reshape(1, shape.slots, -1) * slot_weights(top_k_weights, routing, shape)
+    return add_rows(weighted, routing.token, shape.tokens)[0].to(hidden_states.dtype)

@@ -2,21 +2,23 @@
 
 Under expert parallelism a fused expert weight [experts, ...] has its expert dimension split over ep × tp
 (portable_fsdp/backends/xla/layout.py): `groups` = ep_size parts of consecutive experts, part g on the devices of
-ep × tp coordinate g. The routed pairs are laid out in blocks [groups, blocks, rows] (expert_blocks.py: the blocks
-of group g hold only the pairs of group g's experts), and that layout is annotated as split over ep × tp like the
-weights: the partitioner then moves the token blocks to their experts' devices and the results back (all-to-all),
-and each device multiplies its blocks by its own experts' weights, picked by a one-hot product over its local
-experts (a dot whose batch dimension is the group, so it stays on the device; a gather by expert id would make the
-partitioner fetch the weights). The only gathers of expert weights left are FSDP's, over the devices that share a
-group (fsdp × cp × sp).
+ep × tp coordinate g. Each device (a source) routes its own share of the tokens into blocks
+[sources, groups, blocks, rows] (expert_blocks.py), picking its tokens' states on its own (a manual-sharding
+region: the partitioner would otherwise gather every source's tokens).
+The blocks are then annotated as split over ep × tp by group: the partitioner sends each group's blocks to its
+experts' devices (all-to-all over ep) — the expert weights stay where they are —, each device multiplies its blocks
+by its own experts' weights (picked by a one-hot product over its local experts, a dot whose batch dimension is the
+group, so it stays on the device), and the results go back to their sources the same way, where each source adds
+them into its tokens, again on its own devices.
 
-The shapes are static, so each group is sized for its worst case: all of a token's pairs going to that group's
-experts. The blocks computed are then up to `groups` times the routed pairs (the bound of expert_blocks.Shape per
-group), in exchange for moving tokens instead of weights.
+The shapes are static, so each group is sized for its worst case: all of a source's pairs going to that group's
+experts. The blocks computed are then up to `groups` times the routed pairs (expert_blocks.Shape per group), the
+price of static shapes.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,15 @@ import torch_xla.distributed.spmd as xs
 
 from portable_fsdp.backends.hf_torch import experts
 from portable_fsdp.backends.xla import expert_blocks
-from portable_fsdp.placement import DATA_AXES, EXPERT_AXES, SEQUENCE_AXES
+from portable_fsdp.errors import UserError
+from portable_fsdp.placement import EXPERT_AXES, MESH_AXES
 
-BLOCKS_SPEC = (EXPERT_AXES, None, None, None)  # [groups, blocks, rows, features]: groups over ep x tp
-TOKENS_SPEC = (DATA_AXES + SEQUENCE_AXES, None)  # [rows x positions, features], as between layers
+# Every device dispatches its own tokens: its share of the rows and positions it holds, split further over tp (the
+# tp devices hold the same tokens; each sends 1/tp of them, and the results are gathered back over tp).
+SOURCE_AXES = MESH_AXES
+# [groups, sources, blocks, rows, features] at the experts: groups over ep x tp, sources over what is left. Groups
+# lead, so that the matmuls' batch (groups, sources and blocks merged) stays split.
+AT_EXPERTS = (EXPERT_AXES, tuple(a for a in SOURCE_AXES if a not in EXPERT_AXES), None, None, None)
 
 
 def apply_expert_dispatch(model: torch.nn.Module, mesh) -> None:
@@ -35,27 +42,60 @@ def apply_expert_dispatch(model: torch.nn.Module, mesh) -> None:
     under a name of its own)."""
     from transformers.integrations.moe import ExpertsInterface
 
-    groups = 1
-    for axis in EXPERT_AXES:
-        groups *= mesh.shape()[axis]
     name = f"portable_fsdp_expert_dispatch_{'x'.join(map(str, mesh.mesh_shape))}"
-    ExpertsInterface.register(name, functools.partial(dispatching_forward, mesh=mesh, groups=groups))
+    ExpertsInterface.register(name, functools.partial(dispatching_forward, mesh=mesh))
     experts.set_implementation(model, name)
 
 
 def dispatching_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor, *, mesh, groups: int) -> torch.Tensor:
-    shape = expert_blocks.Shape(hidden_states.shape[0], top_k_index.shape[-1], module.num_experts, groups)
+                        top_k_weights: torch.Tensor, *, mesh) -> torch.Tensor:
+    sizes = mesh.shape()
+    sources, groups = (math.prod(sizes[a] for a in axes) for axes in (SOURCE_AXES, EXPERT_AXES))
+    if hidden_states.shape[0] % sources:
+        raise UserError("plan.ep_size", (
+            f"expert parallelism sends each device's share of a batch's {hidden_states.shape[0]} tokens (rows x "
+            f"positions) to the experts' devices: they must divide by the {sources} devices"))
+    shape = expert_blocks.Shape(hidden_states.shape[0] // sources, top_k_index.shape[-1], module.num_experts,
+                                groups, sources)
     routing = expert_blocks.route(top_k_index, shape)
-    hidden_states = xs.mark_sharding_with_gradients(hidden_states, mesh, TOKENS_SPEC)
-    states = xs.mark_sharding_with_gradients(expert_blocks.gather_tokens(hidden_states, routing, shape), mesh,
-                                             BLOCKS_SPEC)
-    local = F.one_hot(routing.expert, shape.experts_per_group)  # [groups, blocks, experts of the group]
+    def per_source(values, index, rows=None):
+        return _PerSource.apply(values, index, mesh, rows)
+
+    states = per_source(hidden_states.view(sources, shape.tokens, -1), routing.token)
+    states = xs.mark_sharding_with_gradients(states.view(*shape.blocks, -1).transpose(0, 1), mesh, AT_EXPERTS)
+    local = F.one_hot(routing.expert.transpose(0, 1), shape.experts_per_group)  # [..., experts of the group]
 
     def pick(parameter: torch.Tensor) -> torch.Tensor:
         by_group = parameter.view(groups, shape.experts_per_group, *parameter.shape[1:])
-        return torch.einsum("gbe,ge...->gb...", local.to(parameter.dtype), by_group)
+        return torch.einsum("gsbe,ge...->gsb...", local.to(parameter.dtype), by_group)
 
-    results = xs.mark_sharding_with_gradients(expert_blocks.run_blocks(module, states, pick), mesh, BLOCKS_SPEC)
-    combined = expert_blocks.scatter_results(results, top_k_weights, routing, shape).to(hidden_states.dtype)
-    return xs.mark_sharding_with_gradients(combined, mesh, TOKENS_SPEC)
+    results = xs.mark_sharding_with_gradients(expert_blocks.run_blocks(module, states, pick), mesh, AT_EXPERTS)
+    weights = expert_blocks.slot_weights(top_k_weights, routing, shape, gather=per_source)
+    weighted = results.transpose(0, 1).reshape(sources, shape.slots, -1) * weights
+    return per_source(weighted, routing.token, shape.tokens).view_as(hidden_states).to(hidden_states.dtype)
+
+
+class _PerSource(torch.autograd.Function):
+    """On each source's own devices (a manual-sharding region over SOURCE_AXES): expert_blocks.gather_rows of
+    `values` [sources, n, ...] by `index` [sources, m], or with `rows`, its transpose add_rows into that many rows."""
+
+    @staticmethod
+    def forward(ctx, values, index, mesh, rows=None):
+        ctx.save_for_backward(index)
+        ctx.mesh, ctx.rows, ctx.values_rows = mesh, rows, values.shape[1]
+        return _on_sources(values, index, mesh, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        transposed = ctx.values_rows if ctx.rows is None else None
+        return _on_sources(grad.contiguous(), index, ctx.mesh, transposed), None, None, None
+
+
+def _on_sources(values: torch.Tensor, index: torch.Tensor, mesh, rows: int | None) -> torch.Tensor:
+    spec = (SOURCE_AXES,) + (None,) * (values.dim() - 1)
+    local_values = xs.enable_manual_sharding(values, spec, mesh=mesh).global_tensor
+    local_index = xs.enable_manual_sharding(index, (SOURCE_AXES, None), mesh=mesh).global_tensor
+    local = expert_blocks.gather_rows(local_values, local_index) if rows is None \
+        else expert_blocks.add_rows(local_values, local_index, rows)
+    return xs.disable_manual_sharding(local, spec, (values.shape[0], *local.shape[1:]), mesh=mesh).global_tensor
