@@ -39,8 +39,8 @@ def choose(device_type: str) -> str:
     """The experts implementation for experts computed on `device_type`: torch's grouped GEMM (`grouped_mm`: all
     of a layer's experts in one kernel, no loop, no data-dependent graph — which `plan.compile` needs) on CUDA,
     where torch 2.9 runs bfloat16 on Hopper's grouped kernel and other dtypes on its own fallback, and on the CPU,
-    whose kernel takes every float dtype; elsewhere the `eager` loop over the experts that were hit (XLA takes
-    `batched_mm`: portable_fsdp/backends/xla/moe.py)."""
+    whose kernel takes every float dtype; elsewhere the `eager` loop over the experts that were hit (XLA registers
+    its own: portable_fsdp/backends/xla/moe.py)."""
     return "grouped_mm" if device_type in ("cuda", "cpu") else "eager"
 
 

@@ -2,14 +2,14 @@
 
 Under expert parallelism a fused expert weight [experts, ...] has its expert dimension split over ep × tp
 (portable_fsdp/backends/xla/layout.py): `groups` = ep_size parts of consecutive experts, part g on the devices of
-ep × tp coordinate g. Each device (a source) routes its own share of the tokens into blocks
-[sources, groups, blocks, rows] (expert_blocks.py), picking its tokens' states on its own (a manual-sharding
-region: the partitioner would otherwise gather every source's tokens).
-The blocks are then annotated as split over ep × tp by group: the partitioner sends each group's blocks to its
-experts' devices (all-to-all over ep) — the expert weights stay where they are —, each device multiplies its blocks
-by its own experts' weights (picked by a one-hot product over its local experts, a dot whose batch dimension is the
-group, so it stays on the device), and the results go back to their sources the same way, where each source adds
-them into its tokens, again on its own devices.
+ep × tp coordinate g. Every device (a source) routes its own share of the tokens into blocks
+[sources, groups, blocks, rows] (expert_blocks.py), picking its tokens' states on its own devices (a
+manual-sharding region: the partitioner would otherwise gather every device's tokens). The blocks are then
+annotated as split over ep × tp by group: the partitioner sends each group's blocks to its experts' devices
+(all-to-all), each device multiplies them by its own experts' weights — picked by a one-hot product over its local
+experts, a dot whose batch dimension is the group, so it stays on the device; it costs experts-per-group / rows of
+the blocks' own FLOPs —, and the results go back to their sources the same way, where each adds them into its
+tokens, again on its own devices.
 
 The shapes are static, so each group is sized for its worst case: all of a source's pairs going to that group's
 experts. The blocks computed are then up to `groups` times the routed pairs (expert_blocks.Shape per group), the
@@ -58,6 +58,7 @@ def dispatching_forward(module, hidden_states: torch.Tensor, top_k_index: torch.
     shape = expert_blocks.Shape(hidden_states.shape[0] // sources, top_k_index.shape[-1], module.num_experts,
                                 groups, sources)
     routing = expert_blocks.route(top_k_index, shape)
+
     def per_source(values, index, rows=None):
         return _PerSource.apply(values, index, mesh, rows)
 
