@@ -22,3 +22,19 @@ def variants(tmp_dir: pathlib.Path, devices: int, steps: int, names: list) -> di
     out = tmp_dir / f"variants-{devices}.json"
     run_script("xla_variants.py", [out, devices, steps, *names], timeout=900)
     return json.loads(out.read_text())
+
+
+def tiny_experts(hidden: int, intermediate: int, experts: int, top_k: int, seed: int = 0):
+    """A seeded Mixtral experts module (transformers' fused experts) with weights of a trained model's scale."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=experts,
+                           num_experts_per_tok=top_k)
+    config._experts_implementation = "eager"
+    layer = MixtralExperts(config)
+    for parameter in layer.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    return layer

@@ -31,13 +31,12 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
-from transformers import MixtralConfig  # noqa: E402
 from transformers.integrations.moe import batched_mm_experts_forward  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
 
 from portable_fsdp import placement  # noqa: E402
 from portable_fsdp.backends.xla import expert_blocks, expert_dispatch, layout  # noqa: E402
 from portable_fsdp.plan import MeshSpec  # noqa: E402
+from tests.xla.helpers import tiny_experts  # noqa: E402
 
 TOKENS, HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 16, 24, 4, 2
 COLLECTIVES = ("all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
@@ -46,13 +45,7 @@ COLLECTIVES = ("all-to-all", "collective-permute", "all-reduce", "reduce-scatter
 def layer_inputs():
     """Seeded experts, token states, router choices (expert 0 chosen by no token, expert 1 by every token) and
     router weights, on the host."""
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    config._experts_implementation = "eager"
-    experts = MixtralExperts(config)
-    for parameter in experts.parameters():
-        torch.nn.init.normal_(parameter, std=0.2)
+    experts = tiny_experts(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K)
     hidden = torch.randn(TOKENS, HIDDEN)
     second = torch.randint(2, EXPERTS, (TOKENS,))
     top_k_index = torch.stack([torch.ones_like(second), second], dim=1)
@@ -113,7 +106,7 @@ def main() -> None:
     shape = expert_blocks.Shape(TOKENS // sources, TOP_K, EXPERTS, EP_SIZE, sources)
     result = {"differences": {n: float((a - b).abs().max()) for n, a, b in zip(names, ours, reference)},
               "collectives": collectives(), "tokens": TOKENS, "experts": EXPERTS, "slots": sources * shape.slots,
-              "pairs": TOKENS * TOP_K}
+              "pairs": TOKENS * TOP_K, "expert_slices": [list(p.shape[1:]) for p in experts.parameters()]}
     pathlib.Path(OUT).write_text(json.dumps(result))
 
 

@@ -1,33 +1,20 @@
 """The xla backend's MoE experts: the block kernel (portable_fsdp/backends/xla/expert_blocks.py) equals transformers'
 experts in plain torch — outputs and gradients, with experts that no token chose and experts that every token chose
 —, computes the routed pairs plus a bounded padding, and under expert parallelism
-(portable_fsdp/backends/xla/expert_dispatch.py) runs on PJRT CPU devices with the expert weights never gathered
-across their expert groups (the partitioned HLO's all-gathers)."""
+(portable_fsdp/backends/xla/expert_dispatch.py) runs on PJRT CPU devices exchanging token blocks, never the expert
+weights (the collectives of the partitioned HLO)."""
 import json
 import re
 
 import pytest
 import torch
-from transformers import MixtralConfig
 from transformers.integrations.moe import batched_mm_experts_forward
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from portable_fsdp.backends.xla import expert_blocks
-from tests.xla.helpers import run_script
+from tests.xla.helpers import run_script, tiny_experts
 
 TOLERANCE = 1e-5
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 16, 24, 4, 2
-
-
-def experts_layer(seed: int = 0) -> MixtralExperts:
-    torch.manual_seed(seed)
-    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    config._experts_implementation = "eager"
-    layer = MixtralExperts(config)
-    for parameter in layer.parameters():
-        torch.nn.init.normal_(parameter, std=0.2)
-    return layer
 
 
 def routings(tokens: int) -> dict:
@@ -51,7 +38,7 @@ def output_and_grads(layer, forward, hidden, top_k_index, top_k_weights) -> list
 @pytest.mark.parametrize("tokens", [1, 37, 256])
 @pytest.mark.parametrize("routing", ["balanced", "uneven", "two_experts"])
 def test_blocks_equal_transformers_experts(tokens, routing):
-    layer = experts_layer()
+    layer = tiny_experts(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K)
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(3))
     top_k_weights = torch.rand(tokens, TOP_K, generator=torch.Generator().manual_seed(4))
     top_k_index = routings(tokens)[routing]
@@ -122,9 +109,9 @@ def test_xla_experts_equal_transformers_experts(on_devices, devices, ep, tp):
 def test_expert_parallelism_moves_tokens_not_expert_weights(on_devices, devices, ep, tp):
     """The partitioned step exchanges token blocks (all-to-all) and gathers no expert weight: no all-gather of a
     tensor ending in an expert's [2I, H] or [H, I] (or transposed)."""
-    collectives = on_devices(devices, ep, tp)["collectives"]
-    weight_slices = {(2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)}
-    weight_slices |= {(b, a) for a, b in weight_slices}
+    result = on_devices(devices, ep, tp)
+    collectives = result["collectives"]
+    weight_slices = {tuple(s) for s in result["expert_slices"]} | {tuple(s[::-1]) for s in result["expert_slices"]}
     gathered = [tuple(int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])) for shape in collectives["all-gather"]]
     assert not [shape for shape in gathered if shape[-2:] in weight_slices], collectives["all-gather"]
     assert collectives["all-to-all"] > 0
