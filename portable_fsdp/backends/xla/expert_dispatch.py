@@ -6,10 +6,11 @@ ep × tp coordinate g. Every device (a source) routes its own share of the token
 [sources, groups, blocks, rows] (expert_blocks.py), picking its tokens' states on its own devices (a
 manual-sharding region: the partitioner would otherwise gather every device's tokens). The blocks are then
 annotated as split over ep × tp by group: the partitioner sends each group's blocks to its experts' devices
-(all-to-all), each device multiplies them by its own experts' weights — picked by a one-hot product over its local
-experts, a dot whose batch dimension is the group, so it stays on the device; it costs experts-per-group / rows of
-the blocks' own FLOPs —, and the results go back to their sources the same way, where each adds them into its
-tokens, again on its own devices.
+(all-to-all), each device multiplies them by its own experts' weights — indexed on the device, in a manual-sharding
+region too (an index into weights split by expert would make the partitioner gather them) —, and the results go
+back to their sources the same way, where each adds them into its tokens, again on its own devices. The only
+collectives on expert weights are FSDP's: a group's experts gathered over the devices that share the group, their
+gradients summed over them.
 
 The shapes are static, so each group is sized for its worst case: all of a source's pairs going to that group's
 experts. The blocks computed are then up to `groups` times the routed pairs (expert_blocks.Shape per group), the
@@ -21,7 +22,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 import torch_xla.distributed.spmd as xs
 
 from portable_fsdp.backends.hf_torch import experts
@@ -64,11 +64,11 @@ def dispatching_forward(module, hidden_states: torch.Tensor, top_k_index: torch.
 
     states = per_source(hidden_states.view(sources, shape.tokens, -1), routing.token)
     states = xs.mark_sharding_with_gradients(states.view(*shape.blocks, -1).transpose(0, 1), mesh, AT_EXPERTS)
-    local = F.one_hot(routing.expert.transpose(0, 1), shape.experts_per_group)  # [..., experts of the group]
+    expert = routing.expert.transpose(0, 1)  # [groups, sources, blocks]: within the group
 
     def pick(parameter: torch.Tensor) -> torch.Tensor:
         by_group = parameter.view(groups, shape.experts_per_group, *parameter.shape[1:])
-        return torch.einsum("gsbe,ge...->gsb...", local.to(parameter.dtype), by_group)
+        return _PickExperts.apply(by_group, expert, mesh)
 
     results = xs.mark_sharding_with_gradients(expert_blocks.run_blocks(module, states, pick), mesh, AT_EXPERTS)
     weights = expert_blocks.slot_weights(top_k_weights, routing, shape, gather=per_source)
@@ -100,3 +100,42 @@ def _on_sources(values: torch.Tensor, index: torch.Tensor, mesh, rows: int | Non
     local = expert_blocks.gather_rows(local_values, local_index) if rows is None \
         else expert_blocks.add_rows(local_values, local_index, rows)
     return xs.disable_manual_sharding(local, spec, (values.shape[0], *local.shape[1:]), mesh=mesh).global_tensor
+
+
+class _PickExperts(torch.autograd.Function):
+    """Each block's expert weights [groups, sources, blocks, ...] from `by_group` [groups, experts of a group, ...],
+    indexed on each group's own devices (a manual-sharding region), so no weight leaves them. Backward adds each
+    device's blocks' gradients into its experts and the partitioner sums them over the devices sharing a group."""
+
+    @staticmethod
+    def forward(ctx, by_group, expert, mesh):
+        ctx.save_for_backward(expert)
+        ctx.mesh, ctx.shape = mesh, by_group.shape
+        weights = _manual(by_group, _GROUP_SPEC, mesh)[0]
+        local = _manual(expert, AT_EXPERTS[:3], mesh)
+        picked = weights[local.flatten(0, 2)].view(*local.shape, *weights.shape[1:])
+        return _full(picked, AT_EXPERTS[:3], (*expert.shape, *by_group.shape[2:]), mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expert,) = ctx.saved_tensors
+        local = _manual(expert, AT_EXPERTS[:3], ctx.mesh)
+        blocks = _manual(grad.contiguous(), AT_EXPERTS[:3], ctx.mesh)
+        partial = blocks.new_zeros(ctx.shape[1:]).index_add(0, local.flatten(0, 2), blocks.flatten(0, 2))
+        # [groups, the devices sharing a group, experts of a group, ...], summed over the sharing devices
+        sharing = math.prod(ctx.mesh.shape()[a] for a in AT_EXPERTS[1])
+        partials = _full(partial[None, None], AT_EXPERTS[:2], (ctx.shape[0], sharing, *ctx.shape[1:]), ctx.mesh)
+        return partials.sum(1), None, None
+
+
+_GROUP_SPEC = (EXPERT_AXES,)  # [groups, ...]: one group per ep x tp coordinate, whole over the other axes
+
+
+def _manual(tensor: torch.Tensor, spec: tuple, mesh) -> torch.Tensor:
+    spec = spec + (None,) * (tensor.dim() - len(spec))
+    return xs.enable_manual_sharding(tensor, spec, mesh=mesh).global_tensor
+
+
+def _full(local: torch.Tensor, spec: tuple, shape: tuple, mesh) -> torch.Tensor:
+    spec = spec + (None,) * (local.dim() - len(spec))
+    return xs.disable_manual_sharding(local, spec, shape, mesh=mesh).global_tensor
