@@ -35,6 +35,7 @@ SOURCE_AXES = MESH_AXES
 # [groups, sources, blocks, rows, features] at the experts: groups over ep x tp, sources over what is left. Groups
 # lead, so that the matmuls' batch (groups, sources and blocks merged) stays split.
 AT_EXPERTS = (EXPERT_AXES, tuple(a for a in SOURCE_AXES if a not in EXPERT_AXES), None, None, None)
+_GROUP_SPEC = (EXPERT_AXES,)  # [groups, ...]: one group per ep x tp coordinate, whole over the other axes
 
 
 def apply_expert_dispatch(model: torch.nn.Module, mesh) -> None:
@@ -94,12 +95,10 @@ class _PerSource(torch.autograd.Function):
 
 
 def _on_sources(values: torch.Tensor, index: torch.Tensor, mesh, rows: int | None) -> torch.Tensor:
-    spec = (SOURCE_AXES,) + (None,) * (values.dim() - 1)
-    local_values = xs.enable_manual_sharding(values, spec, mesh=mesh).global_tensor
-    local_index = xs.enable_manual_sharding(index, (SOURCE_AXES, None), mesh=mesh).global_tensor
+    local_values, local_index = _manual(values, (SOURCE_AXES,), mesh), _manual(index, (SOURCE_AXES,), mesh)
     local = expert_blocks.gather_rows(local_values, local_index) if rows is None \
         else expert_blocks.add_rows(local_values, local_index, rows)
-    return xs.disable_manual_sharding(local, spec, (values.shape[0], *local.shape[1:]), mesh=mesh).global_tensor
+    return _full(local, (SOURCE_AXES,), (values.shape[0], *local.shape[1:]), mesh)
 
 
 class _PickExperts(torch.autograd.Function):
@@ -128,14 +127,13 @@ class _PickExperts(torch.autograd.Function):
         return partials.sum(1), None, None
 
 
-_GROUP_SPEC = (EXPERT_AXES,)  # [groups, ...]: one group per ep x tp coordinate, whole over the other axes
-
-
 def _manual(tensor: torch.Tensor, spec: tuple, mesh) -> torch.Tensor:
+    """Each device's block of `tensor` split by `spec` (trailing dimensions whole), for code that runs per device."""
     spec = spec + (None,) * (tensor.dim() - len(spec))
     return xs.enable_manual_sharding(tensor, spec, mesh=mesh).global_tensor
 
 
 def _full(local: torch.Tensor, spec: tuple, shape: tuple, mesh) -> torch.Tensor:
+    """The `shape` tensor whose blocks by `spec` are the devices' `local` ones: back under the partitioner."""
     spec = spec + (None,) * (local.dim() - len(spec))
     return xs.disable_manual_sharding(local, spec, shape, mesh=mesh).global_tensor
