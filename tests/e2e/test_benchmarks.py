@@ -14,6 +14,20 @@ def test_hf_trainer_really_trains_with_fsdp2_on_cpu():
     # the worker raises unless Trainer's model ends up an FSDP2 module with DTensor parameters
     result = run_hf_trainer(TINY_MODEL, seq_len=64, global_batch=4, steps=3)
     assert len(result["step_seconds"]) == 3 and result["tokens_per_sec"] > 0 and result["final_loss"] > 0
+    assert len(result["losses"]) == 3 and result["losses"][-1] == result["final_loss"]
+
+
+@pytest.mark.slow
+def test_peers_quick_runs_ours_against_trainer_and_skips_the_peers_not_installed(tmp_path):
+    out = tmp_path / "portable_fsdp_peers_quick.json"
+    proc = run_python(["-m", "benchmarks.peers", "--quick"], timeout=900,
+                      env={"PORTABLE_FSDP_TORCHTITAN_PYTHON": "", "PORTABLE_FSDP_MAXTEXT_PYTHON": "",
+                           "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torchtitan skipped" in proc.stdout and "MaxText skipped" in proc.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["pair"] == "ours / HF Trainer, 2 ranks" and row["ratio"] > 0
+    assert len(row["ours"]["losses"]) == len(row["peer"]["losses"]) == 6
 
 
 @pytest.mark.slow
