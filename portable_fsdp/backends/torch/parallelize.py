@@ -6,6 +6,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from portable_fsdp.backends.torch.causal_attention import apply_blocked_causal_attention
 from portable_fsdp.backends.torch.compile import apply_compile
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
@@ -28,7 +29,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group (tp ranks included), each
        tp rank's share of the tokens sent to them;
     3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
-       sequence shards;
+       sequence shards; without either, on cpu, sdpa's causal attention in query blocks that skip the masked keys
+       (causal_attention.py);
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
     5. torch.compile (plan.compile): each layer (its wrapper, when checkpointed) compiled in place;
     6. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
@@ -47,6 +49,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         apply_context_parallel(model, cp)
     if sp is not None:
         apply_sequence_parallel(model, sp)
+    if cp is None and sp is None and device_type == "cpu":
+        apply_blocked_causal_attention(model)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
     if plan.compile:
