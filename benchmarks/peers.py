@@ -9,7 +9,8 @@ Pairs, each measured in alternating order round after round (which side runs fir
 machine's drift cancels), tokens/s of the whole job (global batch x sequence / median step time, the first two
 steps left out):
   ours vs torchtitan, 2 ranks and 1 rank   both on torchtitan's venv (the SAME torch; our package runs from this
-                                           repository with that interpreter), `--backend cpu`
+                                           repository with that interpreter), `--backend cpu`; at 2 ranks also
+                                           ours with gloo's collectives, as torchtitan's (plan.cpu_collectives=gloo)
   ours vs HF Trainer, 2 ranks              both on this interpreter's torch (Trainer + Accelerate FSDP2)
   ours (flax) vs MaxText, 2 host devices   `--backend flax` here, MaxText on its own Python 3.12 venv
 A peer whose interpreter is not given (flag or PORTABLE_FSDP_TORCHTITAN_PYTHON / PORTABLE_FSDP_MAXTEXT_PYTHON) is
@@ -83,9 +84,10 @@ def _schedule(steps: int) -> list:
             "--config.train.eval_max_batches=1"]
 
 
-def run_ours(shape: Shape, steps: int, nproc: int, backend: str = "cpu", python: str | None = None) -> dict:
+def run_ours(shape: Shape, steps: int, nproc: int, backend: str = "cpu", python: str | None = None,
+             flags: tuple = ()) -> dict:
     records = run_cli([f"--backend={backend}", *shape.ours(), f"--config.data.seq_len={shape.seq_len}",
-                       *_schedule(steps)], nproc=nproc, python=python)
+                       *_schedule(steps), *flags], nproc=nproc, python=python)
     train = [r for r in records if "tokens_per_sec" in r]
     # With log_every=1 each record is one step: its tokens/s is the global batch over that step's time.
     step_seconds = [GLOBAL_BATCH * shape.seq_len / r["tokens_per_sec"] for r in train]
@@ -204,6 +206,11 @@ def pairs(torchtitan: str | None, maxtext: str | None, inputs: pathlib.Path) -> 
             found.append(Pair(f"ours / torchtitan, {ranks} rank{'s' * (ranks > 1)}", "torchtitan 0.3.0", ranks,
                               lambda shape, steps, r=ranks: run_ours(shape, steps, r, python=torchtitan),
                               lambda shape, steps, r=ranks: run_torchtitan(torchtitan, inputs, shape, steps, r)))
+        # the same collectives as torchtitan's (gloo over TCP): what our shared-memory ones are worth
+        found.append(Pair("ours with gloo's collectives / torchtitan, 2 ranks", "torchtitan 0.3.0", 2,
+                          lambda shape, steps: run_ours(shape, steps, 2, python=torchtitan,
+                                                        flags=("--config.plan.cpu_collectives=gloo",)),
+                          lambda shape, steps: run_torchtitan(torchtitan, inputs, shape, steps, 2)))
     else:
         skipped.append("torchtitan skipped: no interpreter given (--torchtitan-python or "
                        "PORTABLE_FSDP_TORCHTITAN_PYTHON: a venv with torchtitan==0.3.0 and this package's dependencies)")

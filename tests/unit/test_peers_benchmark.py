@@ -50,7 +50,9 @@ def test_pairs_skip_a_peer_without_an_interpreter_in_one_line(tmp_path):
     assert "torchtitan" in skipped[0] and "--torchtitan-python" in skipped[0]
     found, skipped = peers.pairs("/venv/bin/python", "/mt/bin/python", tmp_path)
     assert [(pair.peer, pair.ranks) for pair in found] == [("torchtitan 0.3.0", 2), ("torchtitan 0.3.0", 1),
-                                                           ("HF Trainer (FSDP2)", 2), ("MaxText 0.2.5", 2)]
+                                                           ("torchtitan 0.3.0", 2), ("HF Trainer (FSDP2)", 2),
+                                                           ("MaxText 0.2.5", 2)]
+    assert "gloo's collectives" in found[2].name
     assert skipped == []
 
 
