@@ -173,10 +173,10 @@ def test_executed_expert_flops_per_token():
                              num_experts=8, experts_per_token=2)
     assert flops.expert_flops_per_token(arch, 1024, "gpu").ratio == 1
     assert 1 < flops.expert_flops_per_token(arch, 1024, "cpu").ratio <= 1 + 1 / moe.BLOCKS_PER_EXPERT
-    assert flops.expert_flops_per_token(arch, 1024, "gpu", ep=2).ratio == 2
-    assert flops.expert_flops_per_token(arch, 1024, "gpu", ep=2, tp=2).ratio == 4
+    assert flops.expert_flops_per_token(arch, 1024, "gpu", {"ep": 2}).ratio == 2
+    assert flops.expert_flops_per_token(arch, 1024, "gpu", {"ep": 2, "tp": 2}).ratio == 4
     # one expert a device: a device computes its expert on the ep group's tokens at most, as dense would
-    assert flops.expert_flops_per_token(arch, 1024, "gpu", ep=4, tp=2).ratio == 8 / 2
+    assert flops.expert_flops_per_token(arch, 1024, "gpu", {"ep": 4, "tp": 2}).ratio == 8 / 2
 
 
 def test_the_flop_count_is_what_xla_compiles():
@@ -202,3 +202,19 @@ def test_the_flop_count_is_what_xla_compiles():
     cost = jax.jit(layer).lower(x, weights, chosen, gate_up, down).compile().cost_analysis()
     counted = flops.expert_flops_per_token(arch, rows * seq, "cpu")
     assert cost["flops"] == pytest.approx(counted.executed / 3 * rows * seq, rel=0.03)
+
+
+@needs_devices(2)
+def test_the_estimate_reports_the_executed_expert_flops(tmp_path_factory):
+    """Mixtral's 2 of 4 experts on ep 2: on a GPU each device keeps room for its 2 experts on every token of both
+    ep ranks, twice the active expert FLOPs."""
+    from portable_fsdp.backends.flax import estimate
+    from portable_fsdp.estimate.report import expert_flops_line
+    from tests.flax.conftest import make_config
+    from tests.parity import families
+
+    config = make_config({**families.overrides(families.saved(tmp_path_factory, "mixtral")), "plan.ep_size": 2})
+    result = estimate.estimate_memory({"config": config.to_dict(), "world": 2, "device": "gpu"})
+    counted = result["expert_flops_per_token"]
+    assert counted["executed"] == 2 * counted["active"]
+    assert expert_flops_line(counted).startswith(f"experts: {counted['executed']:.3g} FLOPs per token executed, 2.00x")

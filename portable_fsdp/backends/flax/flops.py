@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from portable_fsdp.placement import EP, TP
 from portable_fsdp.backends.flax import moe
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
 
@@ -21,10 +22,11 @@ class ExpertFlops:
         return self.executed / self.active
 
 
-def expert_flops_per_token(arch: LlamaArchitecture, tokens: int, platform: str, ep: int = 1,
-                           tp: int = 1) -> ExpertFlops:
-    """`tokens`: one device's tokens per micro-batch; experts split over `ep` devices holding different tokens and
-    `tp` devices holding the same ones (the mesh's expert axes, placement.expert_axes)."""
+def expert_flops_per_token(arch: LlamaArchitecture, tokens: int, platform: str, groups: dict | None = None
+                           ) -> ExpertFlops:
+    """`tokens`: one device's tokens per micro-batch, on a jax `platform`; `groups`: what the experts are split
+    over (moe.expert_groups: ep, devices holding different tokens; tp, devices holding the same ones)."""
+    ep, tp = (groups or {}).get(EP, 1), (groups or {}).get(TP, 1)
     experts, top_k = arch.num_experts, arch.experts_per_token
     per_row = 6 * 3 * arch.hidden_size * arch.intermediate_size  # 3 matmuls, 2 FLOPs a product, backward 2× forward
     local = experts // (ep * tp)

@@ -13,7 +13,8 @@ another; of the tp ranks, each sends only the slots of its own experts, and the 
 tp. Shapes are static, so each device reserves room for the worst case — every slot it can receive —:
 tokens × min(top_k, experts per device) slots from each of its ep peers (a token chooses an expert at most once).
 A device therefore computes up to ep × that many rows, ep_size × min(1, experts per device / top_k) times its
-average routed work, and never more than computing its experts on every token of its ep group would.
+average routed work, and never more than computing its experts on every token of its ep group would (the CPU
+blocks' padding aside: flops.py counts both).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from portable_fsdp.placement import EP, TP
-from portable_fsdp.backends.flax.sharding import entry, rows, sequence, split_over
+from portable_fsdp.backends.flax import sharding
 
 GROUPED_MATMUL_PLATFORMS = ("gpu", "tpu")  # where jax.lax.ragged_dot computes only the rows of each group
 BLOCKS_PER_EXPERT = 4  # block size: the slots / (experts × this); at most 1 / this of the rows are padding
@@ -88,16 +89,20 @@ def capacity(tokens: int, top_k: int, local_experts: int) -> int:
     return tokens * min(top_k, local_experts)
 
 
+def expert_groups(mesh: Mesh, expert_axes: tuple) -> dict:
+    """{axis: size} of the `expert_axes` the mesh splits, in order: ep (devices of other tokens), tp (of the same)."""
+    return {axis: mesh.shape[axis] for axis in sharding.split_over(mesh, expert_axes)}
+
+
 def routed_experts(x, weights, chosen, gate_up, down, mesh: Mesh | None, expert_axes: tuple):
     """x [b, s, hidden]; weights, chosen [b, s, top_k]: each token's router weights and experts. The experts'
     outputs combined by the weights, [b, s, hidden]. Off a mesh on the default device; on one, under shard_map with
     the experts split over `expert_axes` (placement.expert_axes)."""
     if mesh is None:
         return _route(x, weights, chosen, gate_up, down, kernel_for(jax.default_backend()), {})
-    split = split_over(mesh, expert_axes)
-    groups = {axis: mesh.shape[axis] for axis in split}
-    tokens = PartitionSpec(rows(mesh), sequence(mesh))
-    experts = PartitionSpec(entry(split))
+    groups = expert_groups(mesh, expert_axes)
+    tokens = PartitionSpec(sharding.rows(mesh), sharding.sequence(mesh))
+    experts = PartitionSpec(sharding.entry(tuple(groups)))
     route = functools.partial(_route, kernel=kernel_for(mesh.devices.flat[0].platform), groups=groups)
     return jax.shard_map(route, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
                          out_specs=tokens)(x, weights, chosen, gate_up, down)
