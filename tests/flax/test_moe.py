@@ -117,7 +117,8 @@ def test_the_grouped_matmul_is_ragged_dot_on_accelerators_and_blocks_on_cpu():
 MESHES = {"ep2": (MeshSpec(fsdp_size=2, ep_size=2), 2), "ep2_is_tp2": (MeshSpec(fsdp_size=1, tp_size=2, ep_size=2), 2),
           "fsdp4_ep2": (MeshSpec(fsdp_size=4, ep_size=2), 4), "fsdp2_tp2_ep4": (MeshSpec(fsdp_size=2, tp_size=2,
                                                                                          ep_size=4), 4),
-          "ep2_sp2": (MeshSpec(fsdp_size=2, ep_size=2, sp_size=2), 4)}
+          "ep2_sp2": (MeshSpec(fsdp_size=2, ep_size=2, sp_size=2), 4),
+          "hsdp2_ep2": (MeshSpec(dp_replicate_size=2, fsdp_size=2, ep_size=2), 4)}
 
 
 def on_mesh(name: str):
