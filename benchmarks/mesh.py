@@ -16,10 +16,10 @@ parallelism —, R = the root's, kept gathered from forward to backward; activat
 rank's sequences; L layers):
   FSDP over n ranks   all-gather (2U - R)·f(n), reduce-scatter U·f(n), summed over the units, each over the
                       ranks it shards over (experts under ep: fewer); HSDP adds an all-reduce 2·(U/n)·f(r)
-  TP over t ranks     all-reduce (7·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
-                      down_proj) and, in backward, one per colwise projection reading the layer's input (q, k, v;
-                      gate, up: torch's ColwiseParallel reduces each input gradient by itself, where Megatron's 4·L
-                      reduces once per block), plus lm_head's input gradient (vocabulary-split lm_head)
+  TP over t ranks     all-reduce (4·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
+                      down_proj) and two in backward (the attention's input gradient, q, k and v's summed first,
+                      and the MLP's, gate and up's: Megatron's count), plus lm_head's input gradient (vocabulary-
+                      split lm_head)
   Ulysses SP over u   all-to-all 2·L·B·(s/u)·(2h + 2·kv)·4 B · f(u) (q, k, v and the output, forward and back)
   EP over e ranks     all-to-all 4·L·B·s·k·h·4 B · f(e) (dispatch and combine of k copies of each token, forward
                       and back; f(e) is the share routed off-rank when routing is uniform: the measured share
@@ -81,7 +81,7 @@ def formula(setting: Setting, counted: dict, shape: dict, seq_len: int) -> dict:
     rows = GLOBAL_BATCH // counted["dp_size"]
     expected = {**counted["fsdp_expected"], "all_to_all": 0.0}
     if sizes["tp"] > 1:
-        expected["all_reduce"] += (7 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
+        expected["all_reduce"] += (4 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
     if sizes["sp"] > 1:
         u = sizes["sp"]
         expected["all_to_all"] += 2 * layers * rows * (seq_len / u) * (2 * h + 2 * kv) * 4 * f(u)
