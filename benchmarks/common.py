@@ -59,6 +59,18 @@ def config_from_flags(flags: list):
     return config
 
 
+def fsdp_prefetch(flags: list, nproc: int, backend: str) -> str:
+    """Whether a run of `flags` on `nproc` ranks has its FSDP layers prefetch each other's all-gathers, as the
+    torch lowering decides it: "on", "off", or "no FSDP" (one rank trains the plain module)."""
+    from portable_fsdp.backends.torch.parallelize import explicit_prefetch, shards
+    from portable_fsdp.config.validate import plan_from_config
+
+    plan = plan_from_config(config_from_flags(flags))
+    if not shards(plan, nproc, backend):
+        return "no FSDP"
+    return "on" if explicit_prefetch(plan, backend) else "off"
+
+
 def run_python(args: list, timeout: float, env: dict | None = None, python: str | None = None,
                cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
     """`python ARGS` (this interpreter unless another venv's `python` is given) from the repo root. On a timeout (or
