@@ -1,0 +1,81 @@
+"""A rank's local experts (portable_fsdp/backends/torch/local_experts.py): every kernel gives the outputs and the
+gradients of a plain loop over the rows, for uneven routing and for experts without rows, and the kernel is
+picked per device, dtype and shape. The CUDA rows of the decision cannot run here: the device type and the
+compute capability are injected; tests/e2e/test_gpu.py runs the kernels on a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from portable_fsdp.backends.torch import local_experts
+from portable_fsdp.backends.torch.local_experts import GROUPED_MM, SLICES, local_kernel
+
+EXPERTS, HIDDEN, INTERMEDIATE = 4, 16, 8
+
+
+def gate(gate_up: torch.Tensor) -> torch.Tensor:
+    g, up = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * up
+
+
+def weights(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator, requires_grad=True)
+    down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator, requires_grad=True)
+    return gate_up, down
+
+
+def row_by_row(rows, counts, gate_up, down):
+    """The definition: each row through its own expert's weights, one row at a time."""
+    experts = [e for e, n in enumerate(counts) for _ in range(n)]
+    return torch.stack([down[e] @ gate(gate_up[e] @ row) for row, e in zip(rows, experts)])
+
+
+def outputs_and_gradients(compute, counts):
+    gate_up, down = weights()
+    rows = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = compute(rows, counts, gate_up, down)
+    # a loss weighting every output differently, as the router's weights do
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out, rows.grad, gate_up.grad, down.grad
+
+
+@pytest.mark.parametrize("kernel", [GROUPED_MM, SLICES])
+@pytest.mark.parametrize("counts", [[5, 3, 7, 1], [0, 9, 0, 2], [16, 0, 0, 0], [0, 0, 0, 1]],
+                         ids=["uneven", "empty_experts", "one_expert", "one_row"])
+def test_each_kernel_computes_the_rows_as_the_definition(kernel, counts):
+    expected = outputs_and_gradients(row_by_row, counts)
+    got = outputs_and_gradients(lambda *a: local_experts.run(kernel, *a, apply_gate=gate), counts)
+    for name, g, e in zip(("output", "rows' gradient", "gate_up's gradient", "down's gradient"), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kernel", [GROUPED_MM, SLICES])
+def test_a_rank_whose_experts_got_no_rows_still_gives_them_a_zero_gradient(kernel):
+    """FSDP reduces the same gradients on every rank: experts without any row must have one too (zero)."""
+    gate_up, down = weights()
+    rows = torch.zeros(0, HIDDEN, requires_grad=True)
+    out = local_experts.run(kernel, rows, [0] * EXPERTS, gate_up, down, gate)
+    assert out.shape == (0, HIDDEN)
+    out.sum().backward()
+    assert gate_up.grad is not None and not gate_up.grad.any() and down.grad is not None and not down.grad.any()
+
+
+A100, H100, B200, RTX5090 = (8, 0), (9, 0), (10, 0), (12, 0)
+BF16, FP32 = torch.bfloat16, torch.float32
+QWEN3 = (2048, 768, 1536)  # hidden, moe intermediate, 2 × intermediate
+
+
+@pytest.mark.parametrize("device, dtype, dims, capability, kernel", [
+    ("cuda", BF16, QWEN3, H100, GROUPED_MM),  # the grouped kernel
+    ("cuda", BF16, QWEN3, B200, GROUPED_MM),
+    ("cuda", BF16, QWEN3, A100, SLICES),  # torch would loop and copy the offsets to the host
+    ("cuda", BF16, QWEN3, RTX5090, SLICES),
+    ("cuda", FP32, QWEN3, H100, SLICES),  # the grouped kernel is bfloat16 only
+    ("cuda", BF16, (2048, 100, 200), H100, SLICES),  # 200 bytes: not a multiple of 16
+    ("cpu", FP32, (64, 32, 64), None, GROUPED_MM),  # torch's CPU loop
+    ("cpu", BF16, (64, 33, 66), None, SLICES),
+    ("cpu", FP32, (64, 2, 4), None, SLICES),  # 8 bytes
+    ("mps", FP32, QWEN3, None, SLICES),
+])
+def test_the_kernel_is_picked_from_device_dtype_and_shape(device, dtype, dims, capability, kernel):
+    assert local_kernel(device, dtype, dims, capability) == kernel
