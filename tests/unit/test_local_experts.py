@@ -79,3 +79,20 @@ QWEN3 = (2048, 768, 1536)  # hidden, moe intermediate, 2 × intermediate
 ])
 def test_the_kernel_is_picked_from_device_dtype_and_shape(device, dtype, dims, capability, kernel):
     assert local_kernel(device, dtype, dims, capability) == kernel
+
+
+@pytest.mark.parametrize("kernel", [GROUPED_MM, SLICES])
+def test_each_kernel_executes_six_flops_per_routed_row_and_weight(kernel):
+    """Forward 2, backward 4 (the rows' and the weights' gradients) per weight of the expert a row went to: no
+    padding, no expert a row was not sent to (torch's counter with the grouped GEMM's formula from executed_flops)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from portable_fsdp.backends.torch.executed_flops import FORMULAS
+
+    counts = [5, 0, 9, 2]
+    gate_up, down = weights()
+    rows = torch.randn(sum(counts), HIDDEN, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=FORMULAS) as counter:
+        out = local_experts.run(kernel, rows, counts, gate_up, down, gate)
+        out.backward(torch.ones_like(out))
+    assert counter.get_total_flops() == 6 * sum(counts) * 3 * HIDDEN * INTERMEDIATE
