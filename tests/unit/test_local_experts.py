@@ -1,7 +1,7 @@
 """A rank's local experts (portable_fsdp/backends/torch/local_experts.py): every kernel gives the outputs and the
 gradients of a plain loop over the rows, for uneven routing and for experts without rows, and the kernel is
-picked per device, dtype and shape. The CUDA rows of the decision cannot run here: the device type and the
-compute capability are injected; tests/e2e/test_gpu.py runs the kernels on a GPU."""
+picked per device, dtype and shape. The CUDA rows of the decision need no GPU: the device type and the compute
+capability are injected; the `gpu`-marked test runs the kernel picked for the GPU at hand."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,14 @@ def row_by_row(rows, counts, gate_up, down):
     return torch.stack([down[e] @ gate(gate_up[e] @ row) for row, e in zip(rows, experts)])
 
 
-def outputs_and_gradients(compute, counts):
-    gate_up, down = weights()
-    rows = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    out = compute(rows, counts, gate_up, down)
+def outputs_and_gradients(compute, counts, device="cpu", dtype=torch.float32):
+    """The output and the gradients of rows, gate_up and down (as float32 on the CPU)."""
+    rows = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(1))
+    leaves = [t.detach().to(device, dtype).requires_grad_() for t in (rows, *weights())]
+    out = compute(leaves[0], counts, *leaves[1:])
     # a loss weighting every output differently, as the router's weights do
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    return out, rows.grad, gate_up.grad, down.grad
+    (out * torch.linspace(-1, 1, out.numel(), device=device, dtype=dtype).view_as(out)).sum().backward()
+    return [t.float().cpu() for t in (out, *(leaf.grad for leaf in leaves))]
 
 
 @pytest.mark.parametrize("kernel", [GROUPED_MM, SLICES])
@@ -96,3 +97,19 @@ def test_each_kernel_executes_six_flops_per_routed_row_and_weight(kernel):
         out = local_experts.run(kernel, rows, counts, gate_up, down, gate)
         out.backward(torch.ones_like(out))
     assert counter.get_total_flops() == 6 * sum(counts) * 3 * HIDDEN * INTERMEDIATE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_kernel_picked_for_this_gpu_computes_the_rows_as_the_definition():
+    """bfloat16 on the GPU (torch's grouped kernel on Hopper / Blackwell, the slices elsewhere) against the CPU's
+    float32 definition, within bfloat16's rounding."""
+    counts = [40, 0, 24, 8]
+    expected = outputs_and_gradients(row_by_row, counts)
+    kernel = local_kernel("cuda", torch.bfloat16, (HIDDEN, INTERMEDIATE, 2 * INTERMEDIATE))
+
+    got = outputs_and_gradients(lambda *a: local_experts.run(kernel, *a, apply_gate=gate), counts, "cuda",
+                                torch.bfloat16)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
+
