@@ -27,8 +27,8 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 
 def attention_flops(query_shape, key_shape, *args, out_shape=None, **kwargs) -> int:
-    """Scores and weighted values of every query head: 2 products of b·h·s_q·s_k·d (keys shared by grouped-query
-    heads are read, not multiplied, more often)."""
+    """Scores and weighted values: 2 products of b·h·s_q·s_k·d over the query heads (under grouped-query
+    attention each key head serves several of them)."""
     batch, heads, queries, dim = query_shape
     return 4 * batch * heads * queries * key_shape[-2] * dim
 
