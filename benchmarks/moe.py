@@ -3,7 +3,7 @@ rank holding half of the experts) against Hugging Face Trainer (FSDP2 through Ac
 runs alternated round by round so that the machine's drift cancels; and the FLOPs one step executes per token
 (portable_fsdp/backends/torch/executed_flops.py) against what MFU assumes.
 
-    python -m benchmarks.moe             # the smoke model and a ~110M-parameter one (~10 min on 2 cores)
+    python -m benchmarks.moe             # the smoke model and a 107M-parameter one (~10 min on 2 cores)
     python -m benchmarks.moe --quick     # the smoke model, 3 steps, one round: checks the script works
 
 Executed FLOPs are counted in this process on one batch of the benchmark's sequence length: the experts as ours
@@ -21,10 +21,10 @@ from benchmarks.common import ROOT, config_from_flags, machine, parse_benchmark_
 from benchmarks.hf_trainer import run_hf_trainer
 
 # (hidden, layers, heads, kv heads, head dim, expert intermediate, experts, experts per token)
-MODELS = {"smoke": (64, 2, 4, 2, 16, 32, 4, 2), "110M": (512, 8, 8, 4, 64, 512, 16, 2)}
+MODELS = {"smoke": (64, 2, 4, 2, 16, 32, 4, 2), "107M": (512, 8, 8, 4, 64, 512, 16, 2)}
 SEQ_LEN, GLOBAL_BATCH = 256, 4
 # (rounds, steps per run) per model
-ROUNDS = {"smoke": (3, 8), "110M": (2, 5)}
+ROUNDS = {"smoke": (3, 8), "107M": (2, 5)}
 VARIANTS = {"ours fsdp2": [], "ours ep2": ["--config.plan.ep_size=2"], "HF Trainer fsdp2": None}
 
 
