@@ -3,7 +3,7 @@ rank holding half of the experts) against Hugging Face Trainer (FSDP2 through Ac
 runs alternated round by round so that the machine's drift cancels; and the FLOPs one step executes per token
 (portable_fsdp/backends/torch/executed_flops.py) against what MFU assumes.
 
-    python -m benchmarks.moe             # the smoke model and a 107M-parameter one (~10 min on 2 cores)
+    python -m benchmarks.moe             # the smoke model and a 107M-parameter one (17 min on 2 busy cores)
     python -m benchmarks.moe --quick     # the smoke model, 3 steps, one round: checks the script works
 
 Executed FLOPs are counted in this process on one batch of the benchmark's sequence length: the experts as ours
