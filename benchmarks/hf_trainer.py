@@ -145,8 +145,7 @@ def _worker(spec: dict) -> None:
     if rank == 0:
         pathlib.Path(spec["result"]).write_text(json.dumps({
             "step_seconds": timer.seconds, "tokens_per_step": t.batch_size * config.data.seq_len,
-            "final_loss": loss.item() / world, "peak_mem_mb": peak_mb,
-            "experts_implementation": getattr(model.config, "_experts_implementation", None)}))
+            "final_loss": loss.item() / world, "peak_mem_mb": peak_mb}))
 
 
 def _smoke() -> None:
