@@ -3,7 +3,7 @@ CUDA GPUs (NCCL; `device="cuda"`, what benchmarks/gpu.py runs).
 
     python -m benchmarks.hf_trainer      # a tiny smoke comparison with our CLI
 
-`run_hf_trainer(model_overrides, seq_len, global_batch, steps, ...)` trains the Llama our config builds (the
+`run_hf_trainer(model_overrides, seq_len, global_batch, steps, ...)` trains the model our config builds (the
 same `--config.model.*=...` overrides our CLI takes, the same seed) on our bundled corpus, with our AdamW
 hyper-parameters and schedule in fp32 (or, with `bf16=True`, Trainer's `bf16`: FSDP2 mixed precision with
 bfloat16 parameters, reductions and outputs), under `torchrun`, and returns the step times and tokens/s. The work per
@@ -127,7 +127,7 @@ def _worker(spec: dict) -> None:
         # = fsdp="full_shard auto_wrap" without its deprecation warning (transformers 5.24)
         fsdp=True,
         fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                     "transformer_layer_cls_to_wrap": list(model._no_split_modules),  # its decoder layer
                      "reshard_after_forward": config.plan.reshard_after_forward,
                      "activation_checkpointing": config.plan.activation_checkpointing},
         use_cpu=not cuda, seed=config.seed, report_to="none", save_strategy="no", eval_strategy="no",

@@ -51,6 +51,15 @@ def test_object_storage_benchmark_sets_each_save_and_resume_against_the_raw_tran
     assert len(rows) == 2
 
 
+@pytest.mark.slow
+def test_moe_benchmark_sets_ours_against_trainer_and_counts_executed_flops():
+    proc = run_python(["-m", "benchmarks.moe", "--quick"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| smoke"))
+    # every expert executes exactly what its routed rows need, with and without expert parallelism
+    assert "1.000 / 1.000" in [cell.strip() for cell in row.split("|")]
+
+
 @pytest.mark.parametrize("only, message", [("speed", "unknown section(s) ['speed']"), (",", "no section given")])
 def test_a_bad_section_list_is_a_one_line_error(only, message):
     proc = run_python(["-m", "benchmarks.run", "--only", only], timeout=60)
