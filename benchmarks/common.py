@@ -59,10 +59,24 @@ def config_from_flags(flags: list):
     return config
 
 
-def run_python(args: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python ARGS` from the repo root. On a timeout (or Ctrl-C) its whole process group is killed: the
-    workers our launcher starts are grandchildren, which killing the launcher alone would leave running."""
-    with subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def fsdp_prefetch(flags: list, nproc: int, backend: str) -> str:
+    """Whether a run of `flags` on `nproc` ranks has its FSDP layers prefetch each other's all-gathers, as the
+    torch lowering decides it: "on", "off", or "no FSDP" (one rank trains the plain module)."""
+    from portable_fsdp.backends.torch.parallelize import explicit_prefetch, shards
+    from portable_fsdp.config.validate import plan_from_config
+
+    plan = plan_from_config(config_from_flags(flags))
+    if not shards(plan, nproc, backend):
+        return "no FSDP"
+    return "on" if explicit_prefetch(plan, backend) else "off"
+
+
+def run_python(args: list, timeout: float, env: dict | None = None, python: str | None = None,
+               cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
+    """`python ARGS` (this interpreter unless another venv's `python` is given) from the repo root. On a timeout (or
+    Ctrl-C) its whole process group is killed: the workers our launcher starts are grandchildren, which killing the
+    launcher alone would leave running."""
+    with subprocess.Popen([python or sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True, env={**os.environ, "USE_TORCH_XLA": "0", **(env or {})}) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -73,11 +87,12 @@ def run_python(args: list, timeout: float, env: dict | None = None) -> subproces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_cli(args: list, nproc: int, timeout: float = 900, env: dict | None = None) -> list:
-    """Run `python -m portable_fsdp.run` in a fresh workdir; returns its metrics records (raises on failure)."""
+def run_cli(args: list, nproc: int, timeout: float = 900, env: dict | None = None, python: str | None = None) -> list:
+    """Run `python -m portable_fsdp.run` (this repository's package, with `python`'s libraries) in a fresh workdir;
+    returns its metrics records (raises on failure)."""
     with tempfile.TemporaryDirectory() as workdir:
         proc = run_python(["-m", "portable_fsdp.run", "--workdir", workdir, "--nproc", str(nproc),
-                           "--config.train.progress_bar=false", *args, *user_overrides()], timeout, env)
+                           "--config.train.progress_bar=false", *args, *user_overrides()], timeout, env, python)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
         return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]

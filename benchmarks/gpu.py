@@ -45,8 +45,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, machine, run_cli,
-                               run_python, table, write_json)
+from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, fsdp_prefetch,
+                               machine, run_cli, run_python, table, write_json)
 
 INSTALL = "python -m benchmarks.gpu_setup install"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
@@ -126,10 +126,13 @@ def cell(result: dict, key: str, fmt: str) -> str:
     return fmt.format(result[key]) if key in result else "-"
 
 
+def train_flags(size: dict, setting: list, backend: str) -> list:
+    return [*run_flags(size, backend, size["seq_len"], size["batch"], size["steps"]), *setting]
+
+
 def train(size: dict, setting: list, backend: str, budget: Budget) -> dict:
     """One of our rows: `setting`'s plan flags on one rank."""
-    records = run_cli([*run_flags(size, backend, size["seq_len"], size["batch"], size["steps"]), *setting], nproc=1,
-                      timeout=budget.timeout(TRAIN_S))
+    records = run_cli(train_flags(size, setting, backend), nproc=1, timeout=budget.timeout(TRAIN_S))
     return steady(records, size["seq_len"] * size["batch"])
 
 
@@ -162,7 +165,9 @@ def with_mfu(rows: list, size: dict) -> None:
 def training_rows(label: str, size: dict, backend: str, budget: Budget) -> list:
     rows = []
     for name, setting in SETTINGS:
-        rows.append({"model": label, "setting": name, **attempt(train, size, setting, backend, budget)})
+        prefetch = fsdp_prefetch(train_flags(size, setting, backend), 1, backend)
+        rows.append({"model": label, "setting": name, "fsdp_prefetch": prefetch,
+                     **attempt(train, size, setting, backend, budget)})
         print(f"training: {rows[-1]}", flush=True)
     rows.append({"model": label, "setting": "HF Trainer", **attempt(hf_trainer, size, backend, budget)})
     with_mfu(rows, size)
@@ -181,15 +186,20 @@ def training_table(rows: list) -> str:
         base = trainer.get(row["model"])
         return f"{row['tokens_per_sec'] / base:.2f}x" if base and "tokens_per_sec" in row else "-"
 
-    return table(["model", "setting", "step (ms, median)", "tokens/s", "MFU", "peak MB", "vs HF Trainer", "error"],
-                 [[f"{r['model']} ({parameters(r['n_params'])})", r["setting"], cell(r, "step_ms", "{:.0f}"),
-                   cell(r, "tokens_per_sec", "{:,.0f}"), cell(r, "mfu", "{:.1%}"), cell(r, "peak_mem_mb", "{:.0f}"),
-                   versus(r), r.get("error", "")] for r in rows])
+    return table(["model", "setting", "FSDP prefetch", "step (ms, median)", "tokens/s", "MFU", "peak MB",
+                  "vs HF Trainer", "error"],
+                 [[f"{r['model']} ({parameters(r['n_params'])})", r["setting"], r.get("fsdp_prefetch", "-"),
+                   cell(r, "step_ms", "{:.0f}"), cell(r, "tokens_per_sec", "{:,.0f}"), cell(r, "mfu", "{:.1%}"),
+                   cell(r, "peak_mem_mb", "{:.0f}"), versus(r), r.get("error", "")] for r in rows])
+
+
+def cp_flags(impl: str, method: str, size: dict, backend: str) -> list:
+    return [*run_flags(size, backend, size["long_seq"], 1, size["cp_steps"]), "--config.plan.cp_size=2",
+            f"--config.plan.cp_impl={impl}", f"--config.plan.cp_rotate_method={method}"]
 
 
 def cp_ranks(impl: str, method: str, size: dict, backend: str, budget: Budget) -> dict:
-    flags = run_flags(size, backend, size["long_seq"], 1, size["cp_steps"])
-    flags += ["--config.plan.cp_size=2", f"--config.plan.cp_impl={impl}", f"--config.plan.cp_rotate_method={method}"]
+    flags = cp_flags(impl, method, size, backend)
     return steady(run_cli(flags, nproc=2, timeout=budget.timeout(CP_RUN_S)), size["long_seq"])
 
 
@@ -307,7 +317,9 @@ def main() -> None:
     for mode in modes:
         measure = cp_ranks if mode == "ranks" else cp_one_rank
         for impl, method in CP_SETTINGS:
-            result = {"mode": mode, "setting": f"{impl} {method}",
+            flags = cp_flags(impl, method, size, backend)
+            prefetch = fsdp_prefetch(flags, 2, backend) if mode == "ranks" else "no FSDP"
+            result = {"mode": mode, "setting": f"{impl} {method}", "fsdp_prefetch": prefetch,
                       **attempt(measure, impl, method, size, backend, budget)}
             print(f"context parallel: {result}", flush=True)
             cp_results.append(result)
@@ -317,8 +329,9 @@ def main() -> None:
     print(training_table(training))
     for mode in modes:
         print(f"\nContext parallelism at seq {size['long_seq']}, mode {mode}: {what[mode]}")
-        print(table(["setting", "ms (median)", "peak MB per rank", "error"],
-                    [[r["setting"], cell(r, "step_ms", "{:.0f}"), cell(r, "peak_mem_mb", "{:.0f}"), r.get("error", "")]
+        print(table(["setting", "FSDP prefetch", "ms (median)", "peak MB per rank", "error"],
+                    [[r["setting"], r["fsdp_prefetch"], cell(r, "step_ms", "{:.0f}"),
+                      cell(r, "peak_mem_mb", "{:.0f}"), r.get("error", "")]
                      for r in cp_results if r["mode"] == mode]))
     mesh_rows = mesh_section(args.dry_run_cpu, size, backend, torch.cuda.device_count())
     # A dry run leaves benchmarks/results alone.

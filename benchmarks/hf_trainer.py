@@ -3,7 +3,7 @@ CUDA GPUs (NCCL; `device="cuda"`, what benchmarks/gpu.py runs).
 
     python -m benchmarks.hf_trainer      # a tiny smoke comparison with our CLI
 
-`run_hf_trainer(model_overrides, seq_len, global_batch, steps, ...)` trains the Llama our config builds (the
+`run_hf_trainer(model_overrides, seq_len, global_batch, steps, ...)` trains the model our config builds (the
 same `--config.model.*=...` overrides our CLI takes, the same seed) on our bundled corpus, with our AdamW
 hyper-parameters and schedule in fp32 (or, with `bf16=True`, Trainer's `bf16`: FSDP2 mixed precision with
 bfloat16 parameters, reductions and outputs), under `torchrun`, and returns the step times and tokens/s. The work per
@@ -82,9 +82,10 @@ def _worker(spec: dict) -> None:
             self.is_fsdp_enabled = True
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            # Trainer logs only every `logging_steps`; keep this rank's share of the last step's loss.
-            self.last_loss = super().training_step(model, inputs, num_items_in_batch)
-            return self.last_loss
+            # Trainer logs only every `logging_steps`; keep this rank's share of every step's loss.
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.step_losses.append(loss.detach())
+            return loss
 
     cuda = spec.get("device", "cpu") == "cuda"
     wait = torch.cuda.synchronize if cuda else (lambda: None)
@@ -126,7 +127,7 @@ def _worker(spec: dict) -> None:
         # = fsdp="full_shard auto_wrap" without its deprecation warning (transformers 5.24)
         fsdp=True,
         fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                     "transformer_layer_cls_to_wrap": list(model._no_split_modules),  # its decoder layer
                      "reshard_after_forward": config.plan.reshard_after_forward,
                      "activation_checkpointing": config.plan.activation_checkpointing},
         use_cpu=not cuda, seed=config.seed, report_to="none", save_strategy="no", eval_strategy="no",
@@ -134,18 +135,20 @@ def _worker(spec: dict) -> None:
         remove_unused_columns=False)  # else the collator drops `shift_labels` (not a named forward argument)
     timer = StepTimer()
     trainer = FSDP2Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+    trainer.step_losses = []
     trainer.train()
     wrapped = trainer.model_wrapped
     if not isinstance(wrapped, FSDPModule) or not all(isinstance(p, DTensor) for p in wrapped.parameters()):
         raise RuntimeError(f"Trainer trained a {type(wrapped).__name__}, not an FSDP2-sharded model")
     peak_mb = (torch.cuda.max_memory_allocated() if cuda
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
-    loss = trainer.last_loss.detach().double()
-    dist.all_reduce(loss)  # the ranks' shares average to the global per-token loss
+    losses = torch.stack(trainer.step_losses).double()
+    dist.all_reduce(losses)  # the ranks' shares average to the global per-token loss
+    losses = (losses / world).tolist()
     if rank == 0:
         pathlib.Path(spec["result"]).write_text(json.dumps({
             "step_seconds": timer.seconds, "tokens_per_step": t.batch_size * config.data.seq_len,
-            "final_loss": loss.item() / world, "peak_mem_mb": peak_mb}))
+            "final_loss": losses[-1], "losses": losses, "peak_mem_mb": peak_mb}))
 
 
 def _smoke() -> None:

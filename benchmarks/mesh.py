@@ -12,14 +12,14 @@ Dense settings run a Llama (hidden 256, 4 layers, 8 heads, 4 kv heads); MoE sett
 width (4 experts, top 2). `sp4` and `cp4` also run at a long sequence, where splitting the sequence pays.
 
 Formulas (per rank and step; f(n) = (n-1)/n; U = bytes an FSDP unit gathers per rank — a tp slice under tensor
-parallelism —, R = the root's, kept gathered from forward to backward; activations B·s·h in fp32 with B the
-rank's sequences; L layers):
+parallelism —, R = those of the units kept gathered from forward to backward: the root, and on CUDA the last layer;
+activations B·s·h in fp32 with B the rank's sequences; L layers):
   FSDP over n ranks   all-gather (2U - R)·f(n), reduce-scatter U·f(n), summed over the units, each over the
                       ranks it shards over (experts under ep: fewer); HSDP adds an all-reduce 2·(U/n)·f(r)
-  TP over t ranks     all-reduce (7·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
-                      down_proj) and, in backward, one per colwise projection reading the layer's input (q, k, v;
-                      gate, up: torch's ColwiseParallel reduces each input gradient by itself, where Megatron's 4·L
-                      reduces once per block), plus lm_head's input gradient (vocabulary-split lm_head)
+  TP over t ranks     all-reduce (4·L + 1)·B·s·h·4 B · 2·f(t): per layer two in forward (after o_proj and
+                      down_proj) and two in backward (the attention's input gradient, q, k and v's summed first,
+                      and the MLP's, gate and up's: Megatron's count), plus lm_head's input gradient (vocabulary-
+                      split lm_head)
   Ulysses SP over u   all-to-all 2·L·B·(s/u)·(2h + 2·kv)·4 B · f(u) (q, k, v and the output, forward and back)
   EP over e ranks     all-to-all 4·L·B·s·k·h·4 B · f(e) (dispatch and combine of k copies of each token, forward
                       and back; f(e) is the share routed off-rank when routing is uniform: the measured share
@@ -36,7 +36,7 @@ import pathlib
 import statistics
 import tempfile
 
-from benchmarks.common import ROOT, machine, parse_benchmark_args, run_cli, table, torchrun, write_json
+from benchmarks.common import ROOT, fsdp_prefetch, machine, parse_benchmark_args, run_cli, table, torchrun, write_json
 
 WORLD = 4
 GLOBAL_BATCH = 4
@@ -81,7 +81,7 @@ def formula(setting: Setting, counted: dict, shape: dict, seq_len: int) -> dict:
     rows = GLOBAL_BATCH // counted["dp_size"]
     expected = {**counted["fsdp_expected"], "all_to_all": 0.0}
     if sizes["tp"] > 1:
-        expected["all_reduce"] += (7 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
+        expected["all_reduce"] += (4 * layers + 1) * rows * seq_len * h * 4 * 2 * f(sizes["tp"])
     if sizes["sp"] > 1:
         u = sizes["sp"]
         expected["all_to_all"] += 2 * layers * rows * (seq_len / u) * (2 * h + 2 * kv) * 4 * f(u)
@@ -135,7 +135,8 @@ def measure(setting: Setting, shape: dict, moe_dir: str | None, seq_len: int, st
              *(f"--config.{k}={v}" for k, v in setting.plan.items())]
     counted = count_bytes(flags, backend)
     expected = formula(setting, counted, shape, seq_len)
-    return {"setting": setting.name, "seq_len": seq_len, **counted, "expected_per_step": expected,
+    return {"setting": setting.name, "seq_len": seq_len, "fsdp_prefetch": fsdp_prefetch(flags, WORLD, backend),
+            **counted, "expected_per_step": expected,
             **train(flags, backend),
             "state_mb_per_rank": max(s + g for s, g in zip(counted["state_mb"], counted["grad_mb"]))}
 
@@ -148,13 +149,13 @@ def report(rows: list) -> str:
         sent, expected = r["sent_per_step"], r["expected_per_step"]
         measured_total = sum(sent.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"))
         reference = moe_base if r["setting"].startswith("MoE") else base.get(r["seq_len"])
-        lines.append([r["setting"], r["seq_len"], *(f"{sent.get(k, 0) / 1e6:.1f}" for k in
-                                                     ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")),
+        volumes = (f"{sent.get(k, 0) / 1e6:.1f}" for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"))
+        lines.append([r["setting"], r["seq_len"], r.get("fsdp_prefetch", "-"), *volumes,
                       f"{sum(expected.values()) / 1e6:.1f}", f"{measured_total / max(sum(expected.values()), 1):.2f}",
                       f"{r['state_mb_per_rank']:.1f}", f"{r['peak_mb']:.0f}", f"{r['tokens_per_sec']:,.0f}",
                       f"{r['tokens_per_sec'] / reference:.2f}" if reference else "-"])
-    headers = ["setting", "seq", "all-gather MB", "reduce-scatter MB", "all-reduce MB", "all-to-all MB",
-               "formula MB", "measured / formula", "state MB/rank", "peak MB/rank", "tokens/s", "vs fsdp4"]
+    headers = ["setting", "seq", "FSDP prefetch", "all-gather MB", "reduce-scatter MB", "all-reduce MB",
+               "all-to-all MB", "formula MB", "measured / formula", "state MB/rank", "peak MB/rank", "tokens/s", "vs fsdp4"]
     return table(headers, lines)
 
 

@@ -23,8 +23,8 @@ def fsdp_expected(model) -> dict:
     """Bytes FSDP should send per step on this rank, unit by unit over the ranks each unit shards over (the
     experts of an expert-parallel model over fewer ranks than the rest): all-gather (2U - R)·f(n), reduce-scatter
     U·f(n), and for HSDP an all-reduce 2·(U/n)·f(r) — U a unit's unsharded bytes as FSDP holds them (a tensor-
-    parallel weight's tp slice), R the root's, kept gathered from forward to backward (private attributes of
-    torch's FSDP2)."""
+    parallel weight's tp slice), R those of the units kept gathered from forward to backward: the root, and on CUDA
+    the last layer (private attributes of torch's FSDP2)."""
     from torch.distributed.fsdp import FSDPModule
 
     expected = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
@@ -35,7 +35,8 @@ def fsdp_expected(model) -> dict:
         unit = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
         n = group.mesh_info.shard_mesh_size
         replicas = getattr(group.mesh_info, "replicate_mesh_size", 1)
-        expected["all_gather"] += (unit if module is model else 2 * unit) * (n - 1) / n
+        kept = group.post_forward_mesh_info is None  # not resharded after forward: gathered once
+        expected["all_gather"] += (unit if kept else 2 * unit) * (n - 1) / n
         expected["reduce_scatter"] += unit * (n - 1) / n
         expected["all_reduce"] += 2 * unit / n * (replicas - 1) / replicas
     return expected

@@ -142,4 +142,13 @@ def render(report: Report, mfu: float, recipe: str) -> str:
                      "the ranks between hold the same; --ranks all traces each)")
     lines.append("")
     lines.append(step_line(report, mfu))
+    if "expert_flops_per_token" in result:
+        lines.append(expert_flops_line(result["expert_flops_per_token"]))
     return "\n".join(lines)
+
+
+def expert_flops_line(counted: dict) -> str:
+    """The expert FLOPs per token a backend's MoE kernel executes (its shapes), against the active ones 6N counts."""
+    ratio = counted["executed"] / counted["active"]
+    return (f"experts: {counted['executed']:.3g} FLOPs per token executed, {ratio:.2f}x the {counted['active']:.3g} "
+            "of a token's top-k experts (padding, and room for every token the ep ranks could send)")

@@ -5,10 +5,13 @@ and what the torch lowering does about each. Writes rank 0's findings to JSON.
   group with no CPU backend stands for NCCL ("cuda:gloo": gloo registered for CUDA tensors only);
 - an offloaded FSDP2 parameter gathered whole (dtensors.full_value), as FULL saves and the export do;
 - context- and sequence-parallel attention recomputed (activation checkpointing) by a backward that runs on
-  another thread than the forward, as autograd's per-device thread runs a CUDA backward.
+  another thread than the forward, as autograd's per-device thread runs a CUDA backward;
+- the FSDP units the cuda lowering builds (layers prefetching each other's all-gathers, the last one kept
+  gathered), built on gloo with "cuda" passed in.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/accelerator_paths_check.py OUT.json
 """
+import contextlib
 import json
 import sys
 import threading
@@ -25,7 +28,9 @@ from portable_fsdp.backends.hf_torch import model as model_lib
 from portable_fsdp.backends.hf_torch.loss import token_loss_sum
 from portable_fsdp.backends.torch import dtensors, sequence_parallel
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel, sequence_shard
-from portable_fsdp.backends.torch.parallelize import apply_activation_checkpointing
+from portable_fsdp.backends.torch.mesh import build_meshes
+from portable_fsdp.backends.torch.parallelize import apply_activation_checkpointing, apply_fsdp
+from portable_fsdp.config.validate import plan_from_config
 from portable_fsdp.data.batch import Batch
 from tests.parity.matrix import make_config
 
@@ -99,13 +104,41 @@ def attention_recomputed_on_another_thread(kind: str) -> dict:
     return {"failure": elsewhere["failure"], "same_gradients": same, "parameters": len(elsewhere["grads"])}
 
 
+def cuda_overlap_on_gloo() -> dict:
+    """Per layer, for the units `apply_fsdp` builds with device type cpu and cuda: the layers it prefetches in
+    forward and in backward, whether it reshards after forward, and whether one forward and backward gives the
+    cpu units' gradients (this rank's shards; gloo's collectives under both)."""
+    config = make_config({"plan.cpu_collectives": "gloo"})
+    plan = plan_from_config(config)
+    meshes = build_meshes(plan.mesh.resolve(2), "cpu")
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(1))
+    inputs = contextlib.nullcontext((tokens[:, :-1], tokens[:, 1:], None))
+    found, grads = {}, {}
+    for device_type in ("cpu", "cuda"):
+        model = model_lib.create_model(config, 0, False)
+        layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]  # fully_shard renames it
+        apply_fsdp(model, plan, meshes, ("LlamaDecoderLayer",), device_type)
+        states = [layer._get_fsdp_state() for layer in layers]
+        found[device_type] = {
+            "forward_prefetch": [[states.index(t) for t in s._states_to_forward_prefetch] for s in states],
+            "backward_prefetch": [[states.index(t) for t in s._states_to_backward_prefetch] for s in states],
+            "reshard_after_forward": [s._fsdp_param_group.post_forward_mesh_info is not None for s in states]}
+        result = gradients(model, None, lambda _: inputs, backward_elsewhere=False)
+        found[device_type]["failure"] = result["failure"]
+        grads[device_type] = {n: g.to_local() for n, g in result["grads"].items()}
+    found["same_gradients"] = bool(grads["cpu"]) and grads["cpu"].keys() == grads["cuda"].keys() and all(
+        torch.equal(g, grads["cuda"][n]) for n, g in grads["cpu"].items())
+    return found
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = {"cpu_piece_on_a_gpu_mesh": cpu_piece_on_a_gpu_mesh(),
                "offloaded_parameter_gathered": offloaded_parameter_gathered(),
                "cp_backward_on_another_thread": attention_recomputed_on_another_thread("cp"),
-               "sp_backward_on_another_thread": attention_recomputed_on_another_thread("sp")}
+               "sp_backward_on_another_thread": attention_recomputed_on_another_thread("sp"),
+               "cuda_overlap_on_gloo": cuda_overlap_on_gloo()}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

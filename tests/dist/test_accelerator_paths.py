@@ -9,7 +9,8 @@ each check fails without its fix:
 - context- and sequence-parallel attention recomputed by activation checkpointing in the backward, which a CUDA
   backward runs on autograd's own thread;
 - host memory pinned from a thread that never chose its CUDA device, and a spawned writer process that sees the
-  GPUs (both open a CUDA context on GPU 0): where no GPU exists, the decision is tested with the device injected.
+  GPUs (both open a CUDA context on GPU 0): where no GPU exists, the decision is tested with the device injected;
+- the FSDP units of a CUDA run, which prefetch each other's all-gathers: built on gloo with the device injected.
 """
 import json
 import multiprocessing
@@ -51,6 +52,22 @@ def test_sequence_sharded_attention_recomputes_on_autograds_thread(found, kind):
     result = found[f"{kind}_backward_on_another_thread"]
     assert result["failure"] == ""
     assert result["same_gradients"] and result["parameters"] == 21
+
+
+def test_cuda_layers_prefetch_their_neighbours_and_the_last_stays_gathered(found):
+    """With the device injected, the cuda lowering's units: each layer starts the next one's all-gather in forward
+    and the previous one's in backward, the last keeps its parameters from forward to backward; the cpu
+    lowering's keep FSDP2's defaults. The gradients are the same."""
+    overlap = found["cuda_overlap_on_gloo"]
+    layers = len(overlap["cuda"]["forward_prefetch"])
+    assert layers >= 2
+    assert overlap["cuda"]["forward_prefetch"] == [[i + 1] for i in range(layers - 1)] + [[]]
+    assert overlap["cuda"]["backward_prefetch"] == [[]] + [[i] for i in range(layers - 1)]
+    assert overlap["cuda"]["reshard_after_forward"] == [True] * (layers - 1) + [False]
+    assert overlap["cpu"]["forward_prefetch"] == overlap["cpu"]["backward_prefetch"] == [[]] * layers
+    assert overlap["cpu"]["reshard_after_forward"] == [True] * layers
+    assert overlap["cpu"]["failure"] == overlap["cuda"]["failure"] == ""
+    assert overlap["same_gradients"]
 
 
 def _set_order(seed: int) -> str:

@@ -60,3 +60,17 @@ def test_a_step_all_gathers_twice_and_reduce_scatters_once_the_parameters(tmp_pa
     assert sent["all_gather"] == pytest.approx(expected_gathers, rel=1e-3)
     assert sent["reduce_scatter"] == pytest.approx(half, rel=1e-3)
     assert sent["all_reduce"] < 100  # only the step's scalars: tokens, loss, gradient norm
+
+
+def test_tensor_parallel_all_reduces_each_block_input_once(tmp_path):
+    """Megatron's count of activation all-reduces per step at tp 2: per layer two in forward (after o_proj and
+    down_proj) and two in backward (at the attention's input, q, k and v's gradients summed first, and at the
+    MLP's), plus lm_head's input gradient: (4·L + 1) tensors of B·s·h fp32. One reduction per colwise layer's input
+    gradient would make it 7·L + 1. Counted where torch dispatches each collective (benchmarks/comm_bytes.py)."""
+    out = tmp_path / "comm.json"
+    torchrun(2, "-m", "benchmarks.mesh_worker", str(out), "cpu", *TINY, "--config.plan.tp_size=2",
+             "--config.plan.cpu_collectives=gloo")
+    sent = json.loads(out.read_text())["sent_per_step"]
+    layers, rows, seq_len, hidden = 2, 4, 64, 64  # TINY: every rank of the tp group reads the whole batch
+    one_activation = rows * seq_len * hidden * 4 * 2 * (2 - 1) / 2  # an all-reduce over 2 ranks
+    assert sent["all_reduce"] == pytest.approx((4 * layers + 1) * one_activation, abs=100)  # + the step's scalars

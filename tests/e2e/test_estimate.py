@@ -127,7 +127,12 @@ def test_flax_compiled_estimate_shards_state_over_devices():
 @pytest.mark.parametrize("args", [
     ["--nproc", "2"],
     # bfloat16 on an H100: the grouped GEMM the CUDA run takes, traced in its dtype
-    ["--nproc", "2", "--backend", "cuda", "--device", "h100", "--config.plan.param_dtype=bfloat16"]])
+    ["--nproc", "2", "--backend", "cuda", "--device", "h100", "--config.plan.param_dtype=bfloat16"],
+    # the experts split over 2 ranks: their local kernel (backends/torch/local_experts.py), in float32 one product
+    # per expert (torch's fake grouped GEMM is bfloat16 only), in bfloat16 the grouped GEMM
+    ["--nproc", "2", "--config.plan.ep_size=2"],
+    ["--nproc", "2", "--backend", "cuda", "--device", "h100", "--config.plan.param_dtype=bfloat16",
+     "--config.plan.ep_size=2"]])
 def test_a_mixture_of_experts_estimate_traces_its_grouped_experts(args):
     proc = run_estimate("--config", f"{ROOT / 'portable_fsdp' / 'configs' / 'qwen3_30b_a3b.py'}:smoke", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -59,3 +59,24 @@ def test_a_dense_model_is_counted_whole():
     info = describe_model(load_recipe(f"{ROOT / 'portable_fsdp' / 'configs' / 'llama_tiny.py'}:test"))
     assert info.n_routed_expert_params == 0
     assert info.n_active_params == info.n_params - info.n_embedding_params
+
+
+def test_a_step_executes_the_flops_mfu_counts():
+    """One forward and backward of the Qwen3-MoE smoke model, counted by torch (executed_flops): its experts execute
+    exactly 6 × the active routed experts' weights per token (only the rows routed to them), and the whole step
+    what MFU assumes up to the norms' weights, which MFU counts as matrix weights (0.5% here)."""
+    import torch
+
+    from portable_fsdp.backends.hf_torch import experts
+    from portable_fsdp.backends.hf_torch.model import create_model
+    from portable_fsdp.backends.torch import executed_flops
+
+    config = load_recipe(f"{RECIPE}:smoke")
+    info = describe_model(config)
+    model = create_model(config, 0, rank0_only=False)
+    experts.set_implementation(model, experts.choose("cpu"))
+    ids = torch.randint(0, config.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    executed = executed_flops.per_token(model, ids, ids)
+    active_experts = info.n_routed_expert_params * info.experts_per_token / info.num_experts
+    assert executed["experts"] == 6 * active_experts
+    assert executed["model"] == pytest.approx(metrics.flops_per_token(info, 64), rel=0.01)

@@ -86,6 +86,7 @@ VARIANTS = {
     "tp2_rank0_loading": Variant({"plan.cpu_ram_efficient_loading": "true", "plan.tp_size": "2"}),
     "tp2_cpu_offload": Variant({"plan.cpu_offload": "true", "plan.tp_size": "2"}),
     "sp2_checkpointing": Variant({**CHECKPOINTING, "plan.sp_size": "2"}),
+    "tp2_checkpointing": Variant({**CHECKPOINTING, "plan.tp_size": "2"}),  # recomputation re-runs the tp input hooks
     "tp2_cp2": Variant({**CP2, "plan.tp_size": "2"}, world=4),
     "sp2_tp2": Variant({"plan.sp_size": "2", "plan.tp_size": "2"}, world=4),  # 1 kv head per tp rank, 2 sp ranks
     "hsdp2_tp2": Variant({"plan.dp_replicate_size": "2", "plan.tp_size": "2"}, world=4),

@@ -4,12 +4,13 @@ The functional surface the neutral loop drives (see portable_fsdp/training/loop.
 jax until one of these functions is first used: the launcher loads this package, then sets up the
 host devices (XLA_FLAGS, JAX_PLATFORMS), and only then does jax start.
 
-Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx), user_model (a
-flax.nnx model of the user's own, in the built-in model's place), description (the model described, either),
-torch_weights (torch <-> flax weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW),
-programs (the jitted update, eval and predict), step (init / train_step / ...), checkpoint, devices,
-resources (memory and matmul rate for the metrics), processes (one JAX process per machine: what changes),
-launch (what the command asks before jax starts, and the start itself), estimate (the memory estimate).
+Modules: architecture (the Llama's shape from a transformers config), rope, model (flax.nnx), moe (a MoE layer's
+routed experts), flops (the expert FLOPs they execute per token), user_model (a flax.nnx model of the user's own,
+in the built-in model's place), description (the model described, either), torch_weights (torch <-> flax
+weights), sharding (mesh and PartitionSpecs), optimizer (optax = torch's AdamW), programs (the jitted update,
+eval and predict), step (init / train_step / ...), checkpoint, devices, resources (memory and matmul rate for the
+metrics), processes (one JAX process per machine: what changes), launch (what the command asks before jax starts,
+and the start itself), estimate (the memory estimate).
 """
 import importlib
 import os

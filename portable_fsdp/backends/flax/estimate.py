@@ -11,6 +11,7 @@ for abstract inputs of the run's shapes. XLA's buffer assignment then says what 
 
 The program is compiled by the host CPU's XLA (N host devices stand in for the N accelerators): a TPU's or
 GPU's compiler fuses and schedules differently, so activations there may differ; the state's shapes do not.
+A MoE model's report adds the expert FLOPs per token its kernel executes on the target's platform (flops.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from portable_fsdp import placement
 from portable_fsdp.backends.flax import architecture, torch_weights, model as model_lib, optimizer as optimizer_lib
-from portable_fsdp.backends.flax import programs as programs_lib, sharding
+from portable_fsdp.backends.flax import flops, moe, programs as programs_lib, sharding
 from portable_fsdp.backends.flax.step import COMPUTE_DTYPES
 from portable_fsdp.backends.hf_torch.model import hf_config
 from portable_fsdp.config.schema import from_dict
@@ -73,13 +74,16 @@ def estimate_memory(request: dict) -> dict:
                "program_temporaries": max(0, program["temporaries"] - held["gradients"]),
                "inputs": max(0, program["arguments"] - held["parameters"] - held["optimizer"]),
                "outputs": max(0, program["outputs"] - program["aliased"])}
-    return {"ranks": [{"rank": 0, "peak": peak, "at_peak": at_peak, "held": held, "program": program,
-                       "micro_batch_rows": rows // plan.mesh.data_parallel_size,
-                       "tokens_per_rank": rows * config.data.seq_len // (plan.mesh.data_parallel_size
-                                                                          * plan.mesh.sequence_size),
-                       "cpu_offload": False, "seconds": time.perf_counter() - began}],
-            "model": dataclasses.asdict(info), "method": METHOD,
-            "same_on_every_device": True}
+    tokens = rows * config.data.seq_len // (plan.mesh.data_parallel_size * plan.mesh.sequence_size)
+    result = {"ranks": [{"rank": 0, "peak": peak, "at_peak": at_peak, "held": held, "program": program,
+                         "micro_batch_rows": rows // plan.mesh.data_parallel_size, "tokens_per_rank": tokens,
+                         "cpu_offload": False, "seconds": time.perf_counter() - began}],
+              "model": dataclasses.asdict(info), "method": METHOD,
+              "same_on_every_device": True}
+    if arch.num_experts:
+        executed = flops.expert_flops_per_token(arch, tokens, request["device"], moe.expert_groups(mesh, expert_axes))
+        result["expert_flops_per_token"] = dataclasses.asdict(executed)
+    return result
 
 
 def _abstract(shape, placed) -> jax.ShapeDtypeStruct:

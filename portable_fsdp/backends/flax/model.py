@@ -11,10 +11,9 @@ Parameters travel as a flat dict {"model.layers.0.self_attn.q_proj.kernel": arra
 binds such a dict to the module graph inside a traced function. A `Layout` (sharding.py) says where the
 activations go on the mesh; the default places nothing.
 
-Mixtral's experts are dropless and computed densely: every expert runs on every token and the router's weights
-(zero for the experts a token did not choose) combine the outputs — exactly the sum transformers forms over the
-chosen experts, at num_experts / experts_per_token times the expert FLOPs of a sparse dispatch. Written so, the
-expert dimension is an ordinary array axis: split over `ep`, XLA moves the tokens to the experts and back.
+Mixtral's experts are dropless and routed: each token runs through the experts it chose only, and the router's
+weights combine their outputs — the sum transformers forms (moe.py: a grouped matmul per device; under `ep`, the
+tokens go to their experts' devices and back by all-to-all).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from portable_fsdp.backends.flax import torch_weights
+from portable_fsdp.backends.flax import moe, torch_weights
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
 from portable_fsdp.backends.flax.loss import chunked_token_loss_sum
 from portable_fsdp.backends.flax.sharding import Layout
@@ -130,13 +129,10 @@ class Experts(nnx.Module):
         self.gate_up_proj = nnx.Param(init(rngs.params(), (e, 2, h, i), jnp.float32))
         self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), jnp.float32))
 
-    def __call__(self, x, combine, layout: Layout):
-        """x [b, s, hidden]; combine [b, s, E]: each token's weight for each expert (0 where not chosen)."""
-        gate_up = layout.experts(jnp.einsum("bsh,ephi->ebspi", x, self.gate_up_proj[...]))
-        hidden = layout.experts(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
-        out = layout.experts(jnp.einsum("ebsi,eih->ebsh", hidden, self.down_proj[...]))
-        mixed = jnp.einsum("ebsh,bse->bsh", out, combine.astype(out.dtype), preferred_element_type=jnp.float32)
-        return mixed.astype(x.dtype)
+    def __call__(self, x, weights, chosen, layout: Layout):
+        """x [b, s, hidden]; weights, chosen [b, s, top_k]: each token's experts and their router weights."""
+        return moe.routed_experts(x, weights, chosen, self.gate_up_proj[...], self.down_proj[...], layout.mesh,
+                                  layout.expert_axes)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -155,14 +151,13 @@ class SparseMoeBlock(nnx.Module):
         num_experts = logits.shape[-1]
         top, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-        combine = jnp.einsum("bsk,bske->bse", top, jax.nn.one_hot(chosen, num_experts, dtype=top.dtype))
         stats = None
         if self.balance:  # transformers' load_balancing_loss_func: softmax in the logits' dtype, counts of top k
             probs = jax.nn.softmax(logits, axis=-1)
             _, picked = jax.lax.top_k(probs, self.top_k)
             counts = jnp.sum(jax.nn.one_hot(picked, num_experts, dtype=jnp.float32), axis=(0, 1, 2))
             stats = (counts, jnp.sum(probs.astype(jnp.float32), axis=(0, 1)))
-        return self.experts(x, combine, layout), stats
+        return self.experts(x, top, chosen, layout), stats
 
 
 class DecoderLayer(nnx.Module):

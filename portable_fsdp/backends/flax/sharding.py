@@ -19,8 +19,8 @@ changes what XLA computes, so every combination computes what one device would:
   rowwise ones on their input dimension, with fsdp on another dimension (2-D sharding); tp never cuts a MoE
   layer's experts, as on every backend. XLA all-reduces the rowwise outputs.
 - EP: a MoE layer's expert weights are split on the expert dimension over `ep` × `tp` (the plan's ep_size
-  ranks, taken from fsdp × tp as Hugging Face takes them); the expert activations are constrained to the same
-  split (`Layout.experts`), so XLA moves the tokens to the experts and back.
+  ranks, taken from fsdp × tp as Hugging Face takes them); the layer runs under shard_map (moe.py), its tokens
+  sent to their experts' devices and back by all-to-all.
 - CP and Ulysses SP: the batch's sequence is split over `cp` or `sp`. Under SP, q/k/v inside attention are
   constrained to be split by heads over sp (`Layout.heads`) instead: XLA emits the all-to-alls that exchange
   sequence for heads and back. Under CP, XLA gathers keys and values along `cp` where attention needs them.
@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from portable_fsdp import placement
 from portable_fsdp.errors import UserError
-from portable_fsdp.placement import DATA_AXES, DP_REPLICATE, FSDP, SEQUENCE_AXES, SHARD_AXES, SP, TP
+from portable_fsdp.placement import DATA_AXES, FSDP, SEQUENCE_AXES, SHARD_AXES, SP, TP
 from portable_fsdp.plan import MeshSpec
 
 EXPERTS = ".experts."  # a MoE layer's expert weights carry this in their name; their first dimension is the expert
@@ -149,8 +149,8 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the model's activations are placed inside the compiled program (model.py calls these; outside a
-    mesh each is the identity): hidden states between layers, q/k/v inside attention, and a MoE layer's
-    per-expert activations. `expert_axes`: what the experts are split over (placement.expert_axes)."""
+    mesh each is the identity): hidden states between layers and q/k/v inside attention. `expert_axes`: what a
+    MoE layer's experts are split over (placement.expert_axes), for the layer's shard_map (moe.py)."""
 
     mesh: Mesh | None = None
     expert_axes: tuple = ()
@@ -178,17 +178,6 @@ class Layout:
         if self.mesh is None or self.mesh.shape[SP] == 1:
             return x
         return self._constrain(x, rows(self.mesh), None, entry(split_over(self.mesh, (TP, SP))), None)
-
-    def experts(self, x):
-        """A MoE layer's per-expert activations [experts, b, s, ...]: experts split over the expert axes (ep × tp),
-        the tokens of an ep group gathered to them (rows over the other data axes): XLA moves tokens over ep × tp,
-        never expert weights. The feature dimensions follow the weights."""
-        if self.mesh is None:
-            return x
-        other_rows = entry(split_over(self.mesh, (DP_REPLICATE, FSDP)))
-        free = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 3)
-        return self._constrain(x, entry(split_over(self.mesh, self.expert_axes)), other_rows, sequence(self.mesh),
-                               *free)
 
 
 def optimizer_shardings(opt_state_shapes, param_shapes: dict, param_sharding: dict, mesh: Mesh):

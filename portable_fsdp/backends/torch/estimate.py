@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from portable_fsdp.backends.hf_torch import adapters, chunked_loss, experts, model as model_lib
 from portable_fsdp.backends.hf_torch.loss import RouterLoss
 from portable_fsdp.backends.hf_torch.optimizer import build_optimizer
-from portable_fsdp.backends.torch import distributed, expert_parallel, step as step_lib
+from portable_fsdp.backends.torch import distributed, expert_parallel, local_experts, step as step_lib
 from portable_fsdp.backends.torch.context_parallel import CPGroup
 from portable_fsdp.backends.torch.mesh import build_meshes
 from portable_fsdp.backends.torch.parallelize import apply_fsdp, parallelize
@@ -213,11 +213,17 @@ def _traceable_experts():
       between the experts differs;
     - `grouped_mm` experts (hf_torch.experts.choose) in another dtype than bfloat16 go through transformers' own
       fallback op, whose fake-tensor kernel gives the same output; torch's fake kernel of `_grouped_mm` refuses
-      them (it checks the rule of CUDA's fast kernel: bfloat16 only). bfloat16 ones trace torch's own op."""
+      them (it checks the rule of CUDA's fast kernel: bfloat16 only). bfloat16 ones trace torch's own op. An ep
+      rank's local experts likewise (local_experts.local_kernel): one product per expert instead, on the same rows
+      (the outputs and what backward keeps are the same tensors' sizes)."""
     from transformers.integrations import moe
 
-    saved = [(expert_parallel, "route_counts", expert_parallel.route_counts)]
+    saved = [(expert_parallel, "route_counts", expert_parallel.route_counts),
+             (local_experts, "local_kernel", local_experts.local_kernel)]
     expert_parallel.route_counts = balanced_routes
+    chosen = local_experts.local_kernel
+    local_experts.local_kernel = lambda device_type, dtype, *shape: (chosen(device_type, dtype, *shape)
+                                                                      if dtype == torch.bfloat16 else local_experts.SLICES)
     original = getattr(moe, "_can_use_grouped_mm", None)
     if original is not None:  # (another transformers: nothing to steer)
         saved.append((moe, "_can_use_grouped_mm", original))

@@ -10,7 +10,8 @@ module's forward becomes:
    activations): each tp rank takes its 1/tp of them (`_SliceTokens`), so no token is sent twice;
 1. this rank's (token, expert) pairs, sorted by expert, each go to the rank holding its expert: one
    `all_to_all_single` with uneven splits (the counts per expert are exchanged first);
-2. the received rows run through the local experts, one matrix product per expert and projection;
+2. the received rows, sorted by expert, run through the local experts: one grouped matrix product per projection
+   where torch has the kernel, else one per expert that received rows (portable_fsdp/backends/torch/local_experts.py);
 3. the results take the reverse route, and each token's K results are summed with its router weights;
 4. with tensor parallelism, the tp group's slices are all-gathered back into every token (`_GatherTokens`).
 
@@ -39,6 +40,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from portable_fsdp.backends.hf_torch.experts import expert_modules
+from portable_fsdp.backends.torch import local_experts
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
 from portable_fsdp.errors import UserError
 
@@ -189,10 +191,16 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 def _local_experts(module: nn.Module, rows: torch.Tensor, counts: list) -> torch.Tensor:
     """This rank's experts on their rows (`counts[e]` rows each, in local expert order): the gated MLP of
-    transformers' experts, down(act(gate) * up)."""
+    transformers' experts, down(act(gate) * up), with the kernel local_experts picks for the rows' device, dtype
+    and sizes."""
     gate_up, down = (_local(getattr(module, name)) for name in WEIGHTS)
-    outputs = [F.linear(module._apply_gate(F.linear(x, gate_up[e])), down[e]) for e, x in enumerate(rows.split(counts))]
-    return torch.cat(outputs)
+    kernel = local_experts.local_kernel(rows.device.type, rows.dtype, (down.shape[1], down.shape[2], gate_up.shape[1]),
+                                        _capability(rows.device))
+    return local_experts.run(kernel, rows, counts, gate_up, down, module._apply_gate)
+
+
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

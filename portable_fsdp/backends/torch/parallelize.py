@@ -1,11 +1,14 @@
 """The plan applied to a torch model: `parallelize` calls one `apply_*` per technique, in a fixed order."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from portable_fsdp.backends.torch.causal_attention import apply_blocked_causal_attention
 from portable_fsdp.backends.torch.compile import apply_compile
 from portable_fsdp.backends.torch.context_parallel import CPGroup, apply_context_parallel
 from portable_fsdp.backends.torch.cpu_collectives import use_cpu_collectives
@@ -28,12 +31,14 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     2. expert parallelism (meshes.ep): each MoE layer's experts split over the ep group (tp ranks included), each
        tp rank's share of the tokens sent to them;
     3. context parallelism (`cp`) or Ulysses sequence parallelism (`sp`): attention over the group's
-       sequence shards;
+       sequence shards; without either, on cpu, sdpa's causal attention in query blocks that skip the masked keys
+       (causal_attention.py);
     4. activation checkpointing (plan.activation_checkpointing): each layer in a CheckpointWrapper;
     5. torch.compile (plan.compile): each layer (its wrapper, when checkpointed) compiled in place;
     6. `fully_shard` of each wrapped unit (a checkpointed layer through its wrapper), then the root, over
        `meshes.dp` (HSDP: replicated over dp_replicate, sharded over fsdp × cp|sp) — unless one rank holds
-       everything (`shards`): a world of one rank trains the plain module, moved to the device.
+       everything (`shards`): a world of one rank trains the plain module, moved to the device. On CUDA the
+       transformer layers prefetch each other's all-gathers (`explicit_prefetch`).
 
     Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
     then runs under torch's loss_parallel."""
@@ -47,6 +52,8 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         apply_context_parallel(model, cp)
     if sp is not None:
         apply_sequence_parallel(model, sp)
+    if cp is None and sp is None and device_type == "cpu":
+        apply_blocked_causal_attention(model)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
     if plan.compile:
@@ -54,19 +61,19 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
     if experts:  # sharded over the ranks that hold the same experts, before the layers holding them
         shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
                       host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")
-    if shards(plan, meshes, device_type):
+    if shards(plan, meshes.world.size(), device_type):
         apply_fsdp(model, plan, meshes, layer_classes, device_type)
     else:
         model.to(device_type)
     return logits_sharded
 
 
-def shards(plan: ShardingPlan, meshes: Meshes, device_type: str) -> bool:
+def shards(plan: ShardingPlan, world_size: int, device_type: str) -> bool:
     """Whether FSDP2 wraps the model: on more than one rank, or on one GPU with CPU offload (FSDP2's offload
     policy keeps the state in host memory and brings each unit's parameters to the GPU when it runs). A world
     of one rank otherwise trains the plain module — plain tensors, no hooks, no all-gathers or reduce-scatters;
     its mixed precision is autocast (portable_fsdp/backends/torch/step.py)."""
-    return meshes.world.size() > 1 or (plan.cpu_offload and device_type != "cpu")
+    return world_size > 1 or (plan.cpu_offload and device_type != "cpu")
 
 
 def _class_name(module: nn.Module) -> str:
@@ -89,6 +96,34 @@ def fsdp_kwargs(plan: ShardingPlan, mesh, device_type: str) -> dict:
                 mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[mp.param_dtype], reduce_dtype=DTYPES[mp.reduce_dtype]))
 
 
+def explicit_prefetch(plan: ShardingPlan, device_type: str) -> bool:
+    """Whether FSDP's units prefetch each other's all-gathers as torchtitan sets them (`unit_overlap`): on CUDA,
+    where NCCL runs collectives on streams of their own beside the compute. gloo's collectives block the
+    CPU that computes, so there a prefetch only holds a layer's parameters longer. Only with transformer-layer
+    units, which run one after another in the order the model holds them. `device_type` is the one the lowering
+    runs on, passed in: a test on CPU asks what CUDA would get."""
+    return device_type == "cuda" and plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP
+
+
+class UnitOverlap(NamedTuple):
+    unit: object
+    forward_prefetch: object | None  # the unit whose all-gather this one starts in its forward
+    backward_prefetch: object | None  # ... in its backward
+    reshard_after_forward: bool
+
+
+def unit_overlap(units: list, reshard_after_forward: bool, prefetch: bool) -> list:
+    """How each FSDP unit of `units` (in the order they run) overlaps its all-gathers with compute. With `prefetch`,
+    torchtitan's settings: each unit starts the next one's all-gather in forward and the previous one's in
+    backward, and the last keeps its parameters gathered from forward to backward (its backward comes next:
+    resharding would gather them again at once). Without, FSDP2's defaults."""
+    last = len(units) - 1
+    return [UnitOverlap(unit, units[i + 1] if prefetch and i < last else None,
+                        units[i - 1] if prefetch and i > 0 else None,
+                        reshard_after_forward and not (prefetch and i == last))
+            for i, unit in enumerate(units)]
+
+
 def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_classes: tuple, device_type: str) -> None:
     kwargs = fsdp_kwargs(plan, meshes.dp, device_type)
     if plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP:
@@ -97,10 +132,16 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_class
         units = _size_based_units(model, plan.min_num_params)
     else:  # NO_WRAP: the root alone (warned about at start-up, portable_fsdp/capabilities.py)
         units = []
-    for unit in units:
-        fully_shard(unit, **kwargs)
+    overlap = unit_overlap(units, plan.reshard_after_forward, explicit_prefetch(plan, device_type))
+    for entry in overlap:
+        fully_shard(entry.unit, **{**kwargs, "reshard_after_forward": entry.reshard_after_forward})
     # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if plan.reshard_after_forward else False})
+    for entry in overlap:
+        if entry.forward_prefetch is not None:
+            entry.unit.set_modules_to_forward_prefetch(_with_inner_units(entry.forward_prefetch))
+        if entry.backward_prefetch is not None:
+            entry.unit.set_modules_to_backward_prefetch(_with_inner_units(entry.backward_prefetch))
     sum_gradients(model)
     if device_type == "cpu" and meshes.shard.size() > 1 and plan.cpu_collectives == "auto":
         use_cpu_collectives([*units, model], meshes.shard.get_group())
@@ -115,6 +156,12 @@ def sum_gradients(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _with_inner_units(unit: nn.Module) -> list:
+    """`unit` and the FSDP units inside it (a MoE layer's experts under expert parallelism): prefetching a layer
+    gathers all of it, as torchtitan prefetches a MoE block's experts with the block."""
+    return [unit, *(m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule))]
 
 
 def _inside_wrapper(module: nn.Module, model: nn.Module) -> bool:

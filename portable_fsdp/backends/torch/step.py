@@ -132,7 +132,7 @@ def _build_model(config, plan: ShardingPlan, meshes: Meshes, runtime, parts: Par
     """(the model, its hf_torch.deferred_init.OnMeta when each rank fills its own shards once it is sharded, else None).
     Sharded, every rank builds the config's model on the meta device; a user's module is taken as it is given,
     built or on the meta device (then initialised by its own init, seeded by train.seed)."""
-    sharded = shards(plan, meshes, runtime.device.type)
+    sharded = shards(plan, meshes.world.size(), runtime.device.type)
     if parts.model is not None:
         on_meta = custom_model.on_meta(parts.model, config.seed)
         if on_meta is not None and not sharded:  # one rank trains the plain module: fill it whole now

@@ -8,7 +8,12 @@ slice of each weight (`src_data_rank=None`: nothing is sent; with cpu_ram_effici
 meta-device slices are filled from rank 0 once FSDP has sharded them).
 
 - colwise: a Linear's output features are split (ColwiseParallel): q/k/v give each rank whole heads, gate/up
-  a slice of the MLP; outputs stay local tensors, so the model's attention runs unchanged on its heads.
+  a slice of the MLP; outputs stay local tensors, so the model's attention runs unchanged on its heads. The colwise
+  layers of one module that read the same tensor (q/k/v the attention's input, gate/up the MLP's) share one
+  replicated DTensor of it (`SharedInput`): their input gradients, each partial over the tp group, add up before
+  one all-reduce makes the sum whole — Megatron's 4 all-reduces per layer (after o_proj and down_proj in forward,
+  at the attention's and the MLP's input in backward), where a DTensor per layer costs 7 (q, k, v, gate and up
+  each reduce their own).
 - rowwise: a Linear's input features are split (RowwiseParallel), its outputs summed over the tp group.
 - replicated_with_grad_allreduce: the weight stays whole on every tp rank, but each rank's gradient covers only
   its heads (per-head q/k norms): `all_reduce_replicated_gradients` sums them over the tp group after backward.
@@ -62,15 +67,55 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, tp_plan: dict, *, strict: b
     """Split the modules `tp_plan` names over `tp_mesh` in place; returns whether the logits come out sharded over
     the vocabulary (the loss must then run under `loss_parallel`)."""
     base = getattr(model, "base_model", model)  # what the plan's keys are relative to (a user's module: itself)
+    shared_inputs = {}  # parent module name -> its SharedInput
     for name, style in split_modules(base, tp_plan, strict).items():
         module = base.get_submodule(name)
         if style == "colwise":
+            parent = name.rpartition(".")[0]
+            if parent not in shared_inputs:
+                shared_inputs[parent] = SharedInput(base.get_submodule(parent), tp_mesh)
+            shared_inputs[parent].reader(module)
             parallelize_module(module, tp_mesh, ColwiseParallel(), src_data_rank=None)
         elif style == "rowwise":
             parallelize_module(module, tp_mesh, RowwiseParallel(), src_data_rank=None)
         else:  # replicated_with_grad_allreduce
             setattr(module, GRAD_ALL_REDUCE, True)
     return _shard_logits(model, tp_mesh)
+
+
+class SharedInput:
+    """One replicated DTensor per tensor that the colwise layers under `owner` read during one call of `owner`
+    (its forward hooks clear them): ColwiseParallel takes a DTensor input as it is, so autograd sums the layers'
+    partial input gradients as one DTensor, reduced over the tp group once when it turns back into the local
+    tensor. Matched by identity, so a layer reading another tensor (or a plain layer reading this one) is left
+    alone: correct whatever the module's forward does with its inputs. An owner without a forward of its own (a
+    ModuleList) is never called, so nothing would clear what it holds: its layers convert their inputs alone."""
+
+    def __init__(self, owner: nn.Module, tp_mesh):
+        self.mesh = tp_mesh
+        self.seen = []  # (local tensor, its replicated DTensor), for the current call of the owner
+        self.active = type(owner).forward is not nn.Module.forward
+        if self.active:
+            owner.register_forward_pre_hook(self.clear)
+            owner.register_forward_hook(self.clear)
+
+    def clear(self, *_) -> None:
+        self.seen.clear()
+
+    def reader(self, layer: nn.Module) -> None:
+        """Hand `layer` the shared DTensor of its input, before ColwiseParallel's own input hook runs."""
+        if self.active:
+            layer.register_forward_pre_hook(self.replicated, prepend=True)
+
+    def replicated(self, layer: nn.Module, args: tuple) -> tuple | None:
+        local = args[0]
+        if isinstance(local, DTensor):
+            return None
+        shared = next((dtensor for tensor, dtensor in self.seen if tensor is local), None)
+        if shared is None:
+            shared = DTensor.from_local(local, self.mesh, (Replicate(),), run_check=False)
+            self.seen.append((local, shared))
+        return (shared, *args[1:])
 
 
 def _shard_logits(model: nn.Module, tp_mesh) -> bool:
