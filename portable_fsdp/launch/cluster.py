@@ -42,6 +42,8 @@ class Machines:
 
 
 # torchrun's variables: what makes a process one rank of a run.
+# The functions below read `environ` (tests pass their own), else os.environ as it is at the call: never a default
+# bound at import, which a library replacing os.environ later (a worker pool's set-up does) would leave stale.
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -62,8 +64,9 @@ def rank_environment(**variables):
                 os.environ[name] = value
 
 
-def under_torchrun(environ=os.environ) -> bool:
+def under_torchrun(environ=None) -> bool:
     """Whether torchrun (or a scheduler acting as it, see `become_rank`) made this process one rank."""
+    environ = os.environ if environ is None else environ
     return "TORCHELASTIC_RUN_ID" in environ or all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
@@ -119,10 +122,11 @@ def expand_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def machines_reported(environ=os.environ) -> tuple | None:
+def machines_reported(environ=None) -> tuple | None:
     """(machines, the variable that says so) for a run started by srun (the step's nodes), by torchrun (its world
     over its local world), in a SLURM job (its nodes) or by a Kubernetes operator (PET_NNODES); None when none
     reports."""
+    environ = os.environ if environ is None else environ
     if environ.get("SLURM_STEP_NUM_NODES", "").isdigit():
         return int(environ["SLURM_STEP_NUM_NODES"]), "SLURM_STEP_NUM_NODES"
     if environ.get("WORLD_SIZE", "").isdigit() and environ.get("LOCAL_WORLD_SIZE", "").isdigit():
@@ -133,12 +137,13 @@ def machines_reported(environ=os.environ) -> tuple | None:
     return None
 
 
-def become_rank(nproc: int | None, environ=os.environ) -> None:
+def become_rank(nproc: int | None, environ=None) -> None:
     """Under an `srun` with one task per GPU (more tasks than nodes), make this task one rank as torchrun would:
     RANK = SLURM_PROCID, LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = the step's tasks, LOCAL_WORLD_SIZE = its tasks
     per node, MASTER_ADDR / MASTER_PORT as `slurm_machines` finds them; a CUDA_VISIBLE_DEVICES listing several
     GPUs keeps the task's own. Nothing under torchrun or outside such a step. `nproc`: the command's --nproc,
     which must then equal the tasks per node."""
+    environ = os.environ if environ is None else environ
     if under_torchrun(environ) or not _in_srun_step(environ):
         return
     nodes, tasks = _step_size(environ)
@@ -158,9 +163,10 @@ def become_rank(nproc: int | None, environ=os.environ) -> None:
         environ["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
 
 
-def scheduler_machines(environ=os.environ) -> Machines | None:
+def scheduler_machines(environ=None) -> Machines | None:
     """The machines SLURM (one task per node) or a Kubernetes operator reports; None under torchrun, outside a
     scheduler, or when it started this command on one machine."""
+    environ = os.environ if environ is None else environ
     if under_torchrun(environ):
         return None
     machines = slurm_machines(environ) if "SLURM_JOB_ID" in environ else kubernetes_machines(environ)
@@ -190,9 +196,10 @@ def joined(nodes, machines: Machines | None, file_machines: int | None = None, p
                                rdzv_backend="static")
 
 
-def slurm_machines(environ=os.environ) -> Machines | None:
+def slurm_machines(environ=None) -> Machines | None:
     """One task per node of an srun step: the step's nodes (SLURM_STEP_NUM_NODES), this one SLURM_NODEID, meeting
     at the first host of SLURM_STEP_NODELIST. Outside srun on several nodes: refused, only the first would run."""
+    environ = os.environ if environ is None else environ
     if not _in_srun_step(environ):
         allocated = _int(environ, "SLURM_JOB_NUM_NODES", _int(environ, "SLURM_NNODES", 1))
         if allocated > 1:
@@ -206,9 +213,10 @@ def slurm_machines(environ=os.environ) -> Machines | None:
     return Machines(nodes, _int(environ, "SLURM_NODEID", 0), address, port, None, "SLURM_STEP_NUM_NODES")
 
 
-def kubernetes_machines(environ=os.environ) -> Machines | None:
+def kubernetes_machines(environ=None) -> Machines | None:
     """A pod of a PyTorchJob / TrainJob (PET_* variables) or of a JobSet (JOB_COMPLETION_INDEX, with PET_NNODES
     and PET_MASTER_ADDR written by the manifest); None outside them."""
+    environ = os.environ if environ is None else environ
     if "PET_NNODES" not in environ:
         if _int(environ, "JOB_COMPLETION_INDEX", 0) > 0:
             raise UserError("PET_NNODES", (

@@ -43,13 +43,14 @@ def metadata(key: str) -> str:
         return ""
 
 
-def slice_workers(environ=os.environ, read_metadata=None, visible=None) -> tuple:
+def slice_workers(environ=None, read_metadata=None, visible=None) -> tuple:
     """(this host's worker index, the slice's worker count): (0, 1) off a TPU or on a one-host slice.
 
     Read where JAX's cluster detection reads them (jax/_src/clusters/cloud_tpu_cluster.py): TPU_WORKER_ID and
     TPU_WORKER_HOSTNAMES (GKE and xpk set them), else the TPU VM's metadata, agent-worker-number and
     worker-network-endpoints (one comma-separated entry per worker). torch_xla reads the same names
     (torch_xla/_internal/tpu.py: worker_id, get_worker_ips)."""
+    environ = os.environ if environ is None else environ  # at the call: os.environ may have been replaced since import
     hostnames = environ.get("TPU_WORKER_HOSTNAMES", "")
     if hostnames:
         return int(environ.get("TPU_WORKER_ID", "0")), len(hostnames.split(","))

@@ -281,3 +281,14 @@ def test_a_run_in_this_process_leaves_no_rank_variables_behind(monkeypatch, tmp_
     monkeypatch.setattr(launcher, "start", start)
     assert pf.train(pf.get_config("llama_tiny:test"), backend="cpu", workdir=tmp_path / "w") == {"steps": "done"}
     assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ and os.environ["MASTER_PORT"] == "29999"
+
+
+def test_the_environment_is_read_at_the_call_even_after_os_environ_was_replaced(monkeypatch):
+    # a library may replace os.environ after our modules were imported; a default bound at import would read the old one
+    from portable_fsdp.machine import tpu_vm
+
+    monkeypatch.setattr(os, "environ", {"TPU_WORKER_HOSTNAMES": "w-0,w-1", "TPU_WORKER_ID": "1", "WORLD_SIZE": "8",
+                                        "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1"})
+    assert tpu_vm.slice_workers() == (1, 2)
+    assert cluster.machines_reported() == (2, "torchrun")
+    assert cluster.under_torchrun() and cluster.scheduler_machines() is None
