@@ -9,8 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from portable_fsdp.backends.torch import causal_attention
-from portable_fsdp.backends.torch.causal_attention import (NAME, QUERY_BLOCK, apply_blocked_causal_attention,
-                                                           blocked_causal_attention)
+from portable_fsdp.backends.torch.causal_attention import (KERNEL_SKIPS_FROM, NAME, SHORT_BLOCK,
+                                                           apply_blocked_causal_attention, blocked_causal_attention,
+                                                           query_block)
 from portable_fsdp.backends.torch.parallelize import parallelize
 from portable_fsdp.plan import ShardingPlan
 
@@ -25,7 +26,13 @@ def _qkv(length: int, heads: int, kv_heads: int, seed: int = 0):
     return [torch.randn(shape, generator=generator, requires_grad=True) for shape in shapes]
 
 
-@pytest.mark.parametrize("length", [QUERY_BLOCK + 1, 2 * QUERY_BLOCK, 300])
+@pytest.mark.parametrize("length, block", [(64, None), (65, 64), (256, 64), (512, 64), (513, 128), (1024, 128),
+                                           (2047, 128), (2048, None), (8192, None)])
+def test_the_block_follows_the_length(length, block):
+    assert query_block(length) == block
+
+
+@pytest.mark.parametrize("length", [SHORT_BLOCK + 1, 2 * SHORT_BLOCK, 300, 600])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
 def test_blocked_attention_is_sdpa_causal_attention_forward_and_backward(length, heads, kv_heads):
     module = _attention_module(heads, kv_heads)
@@ -51,15 +58,16 @@ def test_the_blocks_read_only_the_keys_up_to_their_last_position(monkeypatch):
 
     monkeypatch.setattr(causal_attention.F, "scaled_dot_product_attention", counting)
     blocked_causal_attention(_attention_module(4, 2), *_qkv(300, 4, 2), None)
-    assert seen == [(128, 128, True, False), (128, 256, False, True), (44, 300, False, True)]
-    # 128·128 + 128·256 + 44·300 of 300·300 query-key pairs
-    assert sum(q * k for q, k, _, _ in seen) / 300**2 == pytest.approx(0.693, abs=1e-3)
+    assert seen == [(64, 64, True, False), (64, 128, False, True), (64, 192, False, True), (64, 256, False, True),
+                    (44, 300, False, True)]
+    # 64·(64 + 128 + 192 + 256) + 44·300 of 300·300 query-key pairs
+    assert sum(q * k for q, k, _, _ in seen) / 300**2 == pytest.approx(0.602, abs=1e-3)
 
 
-@pytest.mark.parametrize("case", ["mask", "dropout", "short", "cache", "not causal"])
+@pytest.mark.parametrize("case", ["mask", "dropout", "short", "long", "cache", "not causal"])
 def test_anything_else_is_transformers_sdpa_call_unchanged(case):
     module = _attention_module(4, 2)
-    length = QUERY_BLOCK if case == "short" else 2 * QUERY_BLOCK
+    length = {"short": SHORT_BLOCK, "long": KERNEL_SKIPS_FROM}.get(case, 2 * SHORT_BLOCK)
     query, key, value = _qkv(length, 4, 2)
     kwargs = {"dropout": 0.0}
     mask = None
@@ -89,7 +97,6 @@ def _tiny_llama(implementation: str = "sdpa") -> LlamaForCausalLM:
 
 
 def test_a_sdpa_model_trains_alike_through_the_blocked_attention(monkeypatch):
-    monkeypatch.setattr(causal_attention, "QUERY_BLOCK", 64)
     calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
