@@ -61,6 +61,18 @@ def test_tiny_llama_per_rank_numbers_at_world_1_2_4():
     assert device["at_peak"]["activations"] == rank0["at_peak"]["activations"]
 
 
+def test_a_cuda_estimate_traces_the_choices_a_cuda_run_makes():
+    """Traced on fake CPU tensors, a cuda estimate still lowers as a cuda run does: the layers prefetch each
+    other's all-gathers (two layers' parameters gathered at once) and attention is sdpa's own call, not the CPU's
+    query blocks (more held at the peak)."""
+    config = load_recipe(TEST_RECIPE)
+    with estimate.Estimator() as estimator:
+        cpu, cuda = (estimate.estimate_config(config, estimate.resolve_target(backend, device, 2), [0], estimator)
+                     .result["ranks"][0] for backend, device in (("cpu", "cpu"), ("cuda", "h100")))
+    assert cuda["largest"]["gathered"] > cpu["largest"]["gathered"]
+    assert cuda["at_peak"]["activations"] > cpu["at_peak"]["activations"]
+
+
 def test_a_model_too_large_for_its_device_exits_1_naming_settings_that_fit():
     words = [f"--config.{k}={v}" for k, v in WIDE.items()]
     proc = run_estimate("--config", TEST_RECIPE, "--device", "a100-40", "--nproc", "1", *words)

@@ -173,10 +173,11 @@ def _traced_step(config, plan, rank: int, world_size: int, target: str, info, ho
             model_lib.enable_gradient_checkpointing(model)
         layer_classes = plan.wrap_classes(info)
         experts.set_implementation(model, experts.choose(target))
-        logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, "cpu", tensor_parallel_plan(plan, info))
+        logits_sharded = parallelize(model, plan, meshes, cp, sp, layer_classes, "cpu", tensor_parallel_plan(plan, info),
+                                     decide_for=target)
         if target == "cuda" and plan.cpu_offload and not isinstance(model, FSDPModule):
             # one GPU with CPU offload trains under FSDP2, which the lowering skips for one CPU rank
-            apply_fsdp(model, plan, meshes, layer_classes, "cpu")
+            apply_fsdp(model, plan, meshes, layer_classes, "cpu", decide_for=target)
         if not logits_sharded:  # as step.init: the loss a chunk of tokens at a time
             chunked_loss.install(model, Chunking(config.train.loss_chunk_tokens), "cpu")
         model.to_empty(device=device)

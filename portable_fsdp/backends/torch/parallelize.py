@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGroup | None, sp: SPGroup | None,
-                layer_classes: tuple, device_type: str, tp_plan: dict) -> bool:
+                layer_classes: tuple, device_type: str, tp_plan: dict, decide_for: str | None = None) -> bool:
     """Lower `plan` onto `model` in place, in this order, as torchtitan does:
 
     0. float8 (plan.float8): the chosen Linear layers become torchao's Float8Linear (float8 products);
@@ -40,6 +40,9 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
        everything (`shards`): a world of one rank trains the plain module, moved to the device. On CUDA the
        transformer layers prefetch each other's all-gathers (`explicit_prefetch`).
 
+    `decide_for`: the device whose choices (the attention in blocks, the prefetch) the lowering makes when it is
+    not the one it builds on — an estimate for CUDA built on fake CPU tensors; `device_type` by default.
+
     Returns whether the logits come out sharded over the vocabulary (tensor parallelism's lm_head): the loss
     then runs under torch's loss_parallel."""
     logits_sharded = False
@@ -52,7 +55,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         apply_context_parallel(model, cp)
     if sp is not None:
         apply_sequence_parallel(model, sp)
-    if cp is None and sp is None and device_type == "cpu":
+    if cp is None and sp is None and (decide_for or device_type) == "cpu":
         apply_blocked_causal_attention(model)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, layer_classes)
@@ -62,7 +65,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, meshes: Meshes, cp: CPGrou
         shard_experts(experts, fsdp_kwargs(plan, meshes.expert_dp, device_type),
                       host_collectives=device_type == "cpu" and plan.cpu_collectives == "auto")
     if shards(plan, meshes.world.size(), device_type):
-        apply_fsdp(model, plan, meshes, layer_classes, device_type)
+        apply_fsdp(model, plan, meshes, layer_classes, device_type, decide_for)
     else:
         model.to(device_type)
     return logits_sharded
@@ -124,7 +127,8 @@ def unit_overlap(units: list, reshard_after_forward: bool, prefetch: bool) -> li
             for i, unit in enumerate(units)]
 
 
-def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_classes: tuple, device_type: str) -> None:
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_classes: tuple, device_type: str,
+               decide_for: str | None = None) -> None:
     kwargs = fsdp_kwargs(plan, meshes.dp, device_type)
     if plan.auto_wrap_policy == WrapPolicy.TRANSFORMER_BASED_WRAP:
         units = [m for m in model.modules() if _class_name(m) in layer_classes and not _inside_wrapper(m, model)]
@@ -132,7 +136,7 @@ def apply_fsdp(model: nn.Module, plan: ShardingPlan, meshes: Meshes, layer_class
         units = _size_based_units(model, plan.min_num_params)
     else:  # NO_WRAP: the root alone (warned about at start-up, portable_fsdp/capabilities.py)
         units = []
-    overlap = unit_overlap(units, plan.reshard_after_forward, explicit_prefetch(plan, device_type))
+    overlap = unit_overlap(units, plan.reshard_after_forward, explicit_prefetch(plan, decide_for or device_type))
     for entry in overlap:
         fully_shard(entry.unit, **{**kwargs, "reshard_after_forward": entry.reshard_after_forward})
     # None = FSDP2's default for the root: kept gathered after forward, as backward needs it at once
