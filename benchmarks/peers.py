@@ -31,7 +31,8 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import ROOT, free_port, machine, parse_benchmark_args, run_cli, run_python, table, write_json
+from benchmarks.common import (ROOT, error_line, free_port, machine, parse_benchmark_args, run_cli, run_python, table,
+                               write_json)
 from benchmarks.hf_trainer import run_hf_trainer
 
 RESULTS = ROOT / "benchmarks" / "results" / "peers.json"
@@ -131,7 +132,7 @@ def run_torchtitan(python: str, inputs: pathlib.Path, shape: Shape, steps: int, 
                            "--config", "llama_peer", "--dump_folder", out + "/dump"],
                           timeout=3600, env=env, python=python, cwd=inputs)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchtitan failed: {_last_line(proc.stderr)}")
+        raise RuntimeError(f"torchtitan failed: {error_line(proc.stderr)}")
     return parse_torchtitan(proc.stdout + proc.stderr, nproc, shape)
 
 
@@ -172,13 +173,8 @@ def run_maxtext(python: str, inputs: pathlib.Path, shape: Shape, steps: int, dev
                "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = run_python(args, timeout=3600, env=env, python=python, cwd=inputs)
     if proc.returncode != 0:
-        raise RuntimeError(f"MaxText failed: {_last_line(proc.stderr)}")
+        raise RuntimeError(f"MaxText failed: {error_line(proc.stderr)}")
     return parse_maxtext(proc.stdout + proc.stderr, shape)
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no output"
 
 
 def run_trainer(shape: Shape, steps: int) -> dict:

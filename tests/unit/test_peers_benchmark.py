@@ -93,3 +93,14 @@ def test_bad_flags_are_one_line_errors(flags, message):
                           text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith(message)
+
+
+def test_a_failed_peer_is_reported_by_its_workers_error_not_torchruns_summary(monkeypatch, tmp_path):
+    stderr = ("Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+              "ValueError: seq_len 4096 exceeds max_seq_len 1024\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+              "============================================================\n")
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr=stderr)
+    monkeypatch.setattr(peers, "run_python", lambda *args, **kwargs: failed)
+    with pytest.raises(RuntimeError, match="^torchtitan failed: ValueError: seq_len 4096 exceeds max_seq_len 1024$"):
+        peers.run_torchtitan(sys.executable, tmp_path, SHAPE, 8, 2)
