@@ -127,3 +127,19 @@ def test_executed_rows_on_devices(on_devices, devices, ep, tp):
     result = on_devices(devices, ep, tp)
     ratio = result["slots"] / result["pairs"]
     assert 1 <= ratio <= ep * (1 + 1 / expert_blocks.PADDING_SHARE)
+
+
+def test_tokens_that_do_not_split_over_the_devices_are_one_line_naming_the_fix():
+    import types
+
+    from portable_fsdp.backends.xla.expert_dispatch import dispatching_forward
+    from portable_fsdp.errors import UserError
+
+    from portable_fsdp.placement import MESH_AXES
+
+    sizes = dict.fromkeys(MESH_AXES, 1) | {MESH_AXES[1]: 2, MESH_AXES[2]: 2}  # fsdp 2 x ep 2
+    mesh = types.SimpleNamespace(shape=lambda: sizes)
+    with pytest.raises(UserError) as error:
+        dispatching_forward(None, torch.zeros(6, 8), torch.zeros(6, 2, dtype=torch.long), torch.zeros(6, 2), mesh=mesh)
+    assert error.value.field == "plan.ep_size" and "\n" not in str(error.value)
+    assert "6 tokens" in str(error.value) and "a multiple of 4" in str(error.value)

@@ -55,7 +55,8 @@ def dispatching_forward(module, hidden_states: torch.Tensor, top_k_index: torch.
     if hidden_states.shape[0] % sources:
         raise UserError("plan.ep_size", (
             f"expert parallelism sends each device's share of a batch's {hidden_states.shape[0]} tokens (rows x "
-            f"positions) to the experts' devices: they must divide by the {sources} devices"))
+            f"positions) to the experts' devices: they must divide by the {sources} devices; make "
+            f"train.batch_size / train.grad_accum_steps x data.seq_len a multiple of {sources}, or set plan.ep_size=1"))
     shape = expert_blocks.Shape(hidden_states.shape[0] // sources, top_k_index.shape[-1], module.num_experts,
                                 groups, sources)
     routing = expert_blocks.route(top_k_index, shape)
