@@ -4,14 +4,17 @@ parallelism) on PJRT CPU devices, against transformers' own experts in plain tor
     python tests/xla/moe_check.py OUT.json DEVICES EP_SIZE TP_SIZE
 
 Reports the largest differences of the output and of the gradients (tokens, router weights, both expert weights),
-and the collectives of the compiled, partitioned step (XLA's dump of the optimized HLO): each all-gather's result
-shape, and how many all-to-alls, collective-permutes, all-reduces and reduce-scatters it runs.
+and from the compiled, partitioned step (XLA's dump of the optimized HLO): its collectives — each all-gather's result
+shape, and how many all-to-alls, collective-permutes, all-reduces and reduce-scatters it runs — and the matmul FLOPs
+each device executes.
 """
 import copy
 import json
+import math
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 
@@ -83,10 +86,25 @@ def on_mesh(experts, hidden, top_k_index, top_k_weights, cotangent):
     return [t.cpu() for t in results]
 
 
-def collectives() -> dict:
-    """The collectives of the compiled step programs (the largest optimized modules XLA dumped)."""
-    texts = [p.read_text() for p in pathlib.Path(DUMP).glob("*after_optimizations.txt")]
-    step = max(texts, key=len)
+def step_program() -> str:
+    """The compiled step's optimized HLO: the largest module XLA dumped."""
+    return max((p.read_text() for p in pathlib.Path(DUMP).glob("*after_optimizations.txt")), key=len)
+
+
+def dot_flops(step: str) -> int:
+    """FLOPs of every dot in one device's program: 2 x the result's elements x the contracted length (read from
+    the left operand's shape, which the instruction defining it states)."""
+    shapes = {name: dims for name, dims in re.findall(r"%(\S+) = \w+\[([\d,]*)\]", step)}
+    total = 0
+    for result, lhs, contracted in re.findall(
+            r"= \w+\[([\d,]*)\]\S* dot\(%([^,]+),[^)]*\).*?lhs_contracting_dims=\{([\d,]*)\}", step):
+        lhs_dims = [int(d) for d in shapes[lhs].split(",")]
+        total += 2 * math.prod(map(int, result.split(","))) * math.prod(lhs_dims[int(i)] for i in contracted.split(","))
+    return total
+
+
+def collectives(step: str) -> dict:
+    """The collectives of the compiled step program."""
     result = r"= (\([^)]*\)|\S+) "  # one shape, or a tuple of them
     found = {name: len(re.findall(rf"{result}{name}(?:-start)?\(", step)) for name in COLLECTIVES}
     found["all-gather"] = [re.sub(r"\{[\d,]*\}", "", shape)  # without the layouts
@@ -95,6 +113,13 @@ def collectives() -> dict:
 
 
 def main() -> None:
+    try:
+        check()
+    finally:
+        shutil.rmtree(DUMP, ignore_errors=True)
+
+
+def check() -> None:
     xr.use_spmd()
     experts, hidden, top_k_index, top_k_weights = layer_inputs()
     cotangent = torch.randn(TOKENS, HIDDEN)
@@ -104,8 +129,12 @@ def main() -> None:
     names = ("output", "hidden_grad", "router_weight_grad", "gate_up_proj_grad", "down_proj_grad")
     sources = DEVICES if EP_SIZE > 1 else 1  # under ep every device dispatches its own tokens
     shape = expert_blocks.Shape(TOKENS // sources, TOP_K, EXPERTS, EP_SIZE, sources)
+    step = step_program()
+    # an expert row costs 3 matmuls of H x I, forward (2 FLOPs a product) and backward (twice that): 18 H I
+    executed_rows = DEVICES * dot_flops(step) / (18 * HIDDEN * INTERMEDIATE)
     result = {"differences": {n: float((a - b).abs().max()) for n, a, b in zip(names, ours, reference)},
-              "collectives": collectives(), "tokens": TOKENS, "experts": EXPERTS, "slots": sources * shape.slots,
+              "collectives": collectives(step), "tokens": TOKENS, "experts": EXPERTS,
+              "executed_rows": executed_rows, "slots": sources * shape.slots,
               "pairs": TOKENS * TOP_K, "expert_slices": [list(p.shape[1:]) for p in experts.parameters()]}
     pathlib.Path(OUT).write_text(json.dumps(result))
 

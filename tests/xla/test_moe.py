@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.integrations.moe import batched_mm_experts_forward
 
+from portable_fsdp import routed_blocks
 from portable_fsdp.backends.xla import expert_blocks
 from tests.xla.helpers import run_script, tiny_experts
 
@@ -79,7 +80,7 @@ def test_executed_flops_against_active(tokens, top_k, experts, groups, executed)
     shape = expert_blocks.Shape(tokens, top_k, experts, groups)
     assert shape.slots / (tokens * top_k) == pytest.approx(executed, abs=1e-3)
     if groups == 1:
-        assert shape.slots <= tokens * top_k * (1 + 1 / expert_blocks.PADDING_SHARE)
+        assert shape.slots <= tokens * top_k * (1 + 1 / routed_blocks.PADDING_SHARE)
 
 
 # devices, ep_size, tp_size: no ep on 2 devices, ep 2 alone, fsdp 2 x ep 2, fsdp 2 x tp 2 with ep 4.
@@ -123,10 +124,13 @@ def test_expert_parallelism_moves_tokens_not_expert_weights(on_devices, devices,
 
 @pytest.mark.parametrize("devices,ep,tp", MESHES)
 def test_executed_rows_on_devices(on_devices, devices, ep, tp):
-    """Without ep the padding bound; with ep up to ep x the routed pairs (each group sized for all of them)."""
+    """The matmul FLOPs the devices execute (their compiled programs' dots, summed over the devices) are those of the
+    blocks' rows (expert_blocks.Shape): without ep the padding bound; with ep up to ep x the routed pairs (each
+    group sized for all of them)."""
     result = on_devices(devices, ep, tp)
-    ratio = result["slots"] / result["pairs"]
-    assert 1 <= ratio <= ep * (1 + 1 / expert_blocks.PADDING_SHARE)
+    assert result["executed_rows"] == result["slots"]
+    ratio = result["executed_rows"] / result["pairs"]
+    assert 1 <= ratio <= ep * (1 + 1 / routed_blocks.PADDING_SHARE)
 
 
 def test_tokens_that_do_not_split_over_the_devices_are_one_line_naming_the_fix():

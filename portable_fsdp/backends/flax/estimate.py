@@ -11,7 +11,8 @@ for abstract inputs of the run's shapes. XLA's buffer assignment then says what 
 
 The program is compiled by the host CPU's XLA (N host devices stand in for the N accelerators): a TPU's or
 GPU's compiler fuses and schedules differently, so activations there may differ; the state's shapes do not.
-A MoE model's report adds the expert FLOPs per token its kernel executes on the target's platform (flops.py).
+A MoE model's layers trace the target's grouped matmul (for a GPU or TPU, moe.grouped_stand_in: its buffers), and
+its report adds the expert FLOPs per token that kernel executes on the target's platform (flops.py).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def estimate_memory(request: dict) -> dict:
     opt_state = jax.tree.map(_abstract, opt_shapes, opt_sharding)
     programs = programs_lib.build(model_def, optimizer, mesh, param_sharding, opt_sharding,
                                   COMPUTE_DTYPES[plan.mixed_precision.param_dtype], config.train.loss_chunk_tokens,
-                                  expert_axes)
+                                  expert_axes, platform=request["device"])
     t = config.train
     stacked = sharding.batch_sharding(mesh, leading_axes=1)
     rows = t.batch_size // t.grad_accum_steps

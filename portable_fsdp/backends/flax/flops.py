@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from portable_fsdp import routed_blocks
 from portable_fsdp.placement import EP, TP
 from portable_fsdp.backends.flax import moe
 from portable_fsdp.backends.flax.architecture import LlamaArchitecture
@@ -30,9 +31,10 @@ def expert_flops_per_token(arch: LlamaArchitecture, tokens: int, platform: str, 
     experts, top_k = arch.num_experts, arch.experts_per_token
     per_row = 6 * 3 * arch.hidden_size * arch.intermediate_size  # 3 matmuls, 2 FLOPs a product, backward 2× forward
     local = experts // (ep * tp)
-    rows = ep * moe.capacity(tokens, top_k, local)
+    rows = ep * routed_blocks.capacity(tokens, top_k, local)
     if moe.kernel_for(platform) is moe.block_mlp:
-        rows = moe.block_count(rows, local) * moe.block_rows(rows, local)
+        size = routed_blocks.block_rows(rows, local)
+        rows = routed_blocks.block_count(rows, local, size) * size
     # an ep × tp group computes ep × tp devices' rows for the ep × `tokens` tokens its ep ranks hold
     executed = tp * rows * per_row / tokens
     return ExpertFlops(executed * arch.num_layers, top_k * per_row * arch.num_layers)

@@ -132,7 +132,7 @@ class Experts(nnx.Module):
     def __call__(self, x, weights, chosen, layout: Layout):
         """x [b, s, hidden]; weights, chosen [b, s, top_k]: each token's experts and their router weights."""
         return moe.routed_experts(x, weights, chosen, self.gate_up_proj[...], self.down_proj[...], layout.mesh,
-                                  layout.expert_axes)
+                                  layout.expert_axes, layout.platform)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -4,7 +4,9 @@ top-k experts) runs through its expert's MLP once, and the router's weights comb
 Within one device the slots are sorted by expert and run through a grouped matmul (`expert_mlp`). Which one is a
 choice of platform (`kernel_for`): `jax.lax.ragged_dot` where it is a grouped matmul (GPU, TPU); on CPU XLA
 lowers ragged_dot densely — every group over every row, num_experts × the routed work — so there each expert's
-slots are cut into fixed-size blocks and every block multiplies by its expert's weights in one batched einsum.
+slots are cut into fixed-size blocks (portable_fsdp/routed_blocks.py) and every block multiplies by its expert's
+weights in one batched einsum. A memory estimate for a GPU or TPU compiles on host devices, where neither holds
+the buffers the accelerator's grouped matmul does; it traces `grouped_stand_in`, which does.
 
 On a mesh (`routed_experts`) the layer runs under `shard_map`: the experts are split over the plan's expert axes
 (placement.expert_axes: ep, whose devices hold different tokens, and tp, whose devices hold the same ones). Each
@@ -25,16 +27,20 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from portable_fsdp.placement import EP, TP
+from portable_fsdp.routed_blocks import block_count, block_rows, capacity
 from portable_fsdp.backends.flax import sharding
 
 GROUPED_MATMUL_PLATFORMS = ("gpu", "tpu")  # where jax.lax.ragged_dot computes only the rows of each group
-BLOCKS_PER_EXPERT = 4  # block size: the slots / (experts × this); at most 1 / this of the rows are padding
 
 
-def kernel_for(platform: str):
+def kernel_for(platform: str, compiled_on: str | None = None):
     """The grouped matmul for a jax device `platform` ("cpu", "gpu", "tpu"): `ragged_mlp` where ragged_dot is one,
-    `block_mlp` elsewhere. The platform is passed in, not read here, so that both choices are testable on CPU."""
-    return ragged_mlp if platform in GROUPED_MATMUL_PLATFORMS else block_mlp
+    `block_mlp` elsewhere; `grouped_stand_in` when the program for a GPU or TPU is compiled on the devices of
+    another platform (`compiled_on`: a memory estimate's host CPUs). The platforms are passed in, not read here,
+    so that every choice is testable on CPU."""
+    if platform not in GROUPED_MATMUL_PLATFORMS:
+        return block_mlp
+    return ragged_mlp if compiled_on in (None, platform) else grouped_stand_in
 
 
 def ragged_mlp(rows, experts, sizes, gate_up, down):
@@ -46,13 +52,14 @@ def ragged_mlp(rows, experts, sizes, gate_up, down):
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
 
 
-def block_rows(slots: int, num_experts: int) -> int:
-    return max(1, -(-slots // (num_experts * BLOCKS_PER_EXPERT)))
-
-
-def block_count(slots: int, num_experts: int) -> int:
-    """Blocks enough for any routing: each expert's slots padded to whole blocks waste less than one per expert."""
-    return -(-slots // block_rows(slots, num_experts)) + num_experts
+def grouped_stand_in(rows, experts, sizes, gate_up, down):
+    """The buffers `ragged_mlp` holds on a GPU or TPU, for XLA's memory analysis on host devices, never run: each
+    product one matmul over all the rows (the grouped matmul's inputs and outputs), every expert's weights read and
+    their gradients whole. ragged_dot's CPU lowering would hold a copy of the rows per expert, `block_mlp` its
+    experts' weights per block (gigabytes at Qwen3-30B-A3B's 128 experts)."""
+    del experts, sizes  # the values are never used: the shapes are
+    weights = gate_up.sum(0)
+    return (jax.nn.silu(rows @ weights[0]) * (rows @ weights[1])) @ down.sum(0)
 
 
 def block_mlp(rows, experts, sizes, gate_up, down):
@@ -60,7 +67,8 @@ def block_mlp(rows, experts, sizes, gate_up, down):
     its expert's weights (gathered per block) in one batched einsum."""
     n, hidden = rows.shape
     num_experts = sizes.shape[0]
-    size, count = block_rows(n, num_experts), block_count(n, num_experts)
+    size = block_rows(n, num_experts)
+    count = block_count(n, num_experts, size)
     padded = -(-sizes // size) * size
     padded_ends = jnp.cumsum(padded)
     expert = jnp.minimum(experts, num_experts - 1)
@@ -84,26 +92,25 @@ def expert_mlp(rows, experts, gate_up, down, kernel):
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def capacity(tokens: int, top_k: int, local_experts: int) -> int:
-    """The most slots one device can route to the experts of one other: a token chooses each expert at most once."""
-    return tokens * min(top_k, local_experts)
-
-
 def expert_groups(mesh: Mesh, expert_axes: tuple) -> dict:
     """{axis: size} of the `expert_axes` the mesh splits, in order: ep (devices of other tokens), tp (of the same)."""
     return {axis: mesh.shape[axis] for axis in sharding.split_over(mesh, expert_axes)}
 
 
-def routed_experts(x, weights, chosen, gate_up, down, mesh: Mesh | None, expert_axes: tuple):
+def routed_experts(x, weights, chosen, gate_up, down, mesh: Mesh | None, expert_axes: tuple,
+                   platform: str | None = None):
     """x [b, s, hidden]; weights, chosen [b, s, top_k]: each token's router weights and experts. The experts'
     outputs combined by the weights, [b, s, hidden]. Off a mesh on the default device; on one, under shard_map with
-    the experts split over `expert_axes` (placement.expert_axes)."""
+    the experts split over `expert_axes` (placement.expert_axes). `platform`: the devices the program is for, when
+    not those it is compiled on (a memory estimate)."""
+    here = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    kernel = kernel_for(platform or here, here)
     if mesh is None:
-        return _route(x, weights, chosen, gate_up, down, kernel_for(jax.default_backend()), {})
+        return _route(x, weights, chosen, gate_up, down, kernel, {})
     groups = expert_groups(mesh, expert_axes)
     tokens = PartitionSpec(sharding.rows(mesh), sharding.sequence(mesh))
     experts = PartitionSpec(sharding.entry(tuple(groups)))
-    route = functools.partial(_route, kernel=kernel_for(mesh.devices.flat[0].platform), groups=groups)
+    route = functools.partial(_route, kernel=kernel, groups=groups)
     return jax.shard_map(route, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
                          out_specs=tokens)(x, weights, chosen, gate_up, down)
 

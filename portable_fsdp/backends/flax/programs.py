@@ -48,13 +48,13 @@ class Programs:
 
 def build(model_def: ModelDef, optimizer: optax.GradientTransformation, mesh, param_sharding: dict,
           opt_sharding, compute_dtype, loss_chunk_tokens: int = 0, expert_axes: tuple = (),
-          user_loss: Callable | None = None) -> Programs:
+          user_loss: Callable | None = None, platform: str | None = None) -> Programs:
     """`loss_chunk_tokens` (train.loss_chunk_tokens): the training and eval losses project and reduce that many
     tokens per device at a time (loss.py; the built-in model and loss only); 0 computes the whole batch's logits.
     `expert_axes`: what a MoE layer's experts are split over (placement.expert_axes). `model_def`: the built-in
     model's, or a user module's (user_model.UserModelDef); `user_loss`: the user's `loss(outputs, LossInputs) ->
-    (sum, count)`."""
-    layout = sharding.Layout(mesh, expert_axes)
+    (sum, count)`; `platform`: the devices the programs are for, when not the mesh's (a memory estimate)."""
+    layout = sharding.Layout(mesh, expert_axes, platform)
     coef = model_def.router_aux_loss_coef
     chunking = Chunking(loss_chunk_tokens, sharding.size_of(mesh, placement.SEQUENCE_AXES),
                         sharding.size_of(mesh, placement.DATA_AXES))

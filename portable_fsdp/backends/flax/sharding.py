@@ -150,10 +150,14 @@ def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
 class Layout:
     """Where the model's activations are placed inside the compiled program (model.py calls these; outside a
     mesh each is the identity): hidden states between layers and q/k/v inside attention. `expert_axes`: what a
-    MoE layer's experts are split over (placement.expert_axes), for the layer's shard_map (moe.py)."""
+    MoE layer's experts are split over (placement.expert_axes), for the layer's shard_map (moe.py); `platform`: the
+    devices the program is for when they are not the mesh's (a memory estimate for a GPU or TPU on host devices),
+    whose grouped matmul the MoE layers trace.
+    """
 
     mesh: Mesh | None = None
     expert_axes: tuple = ()
+    platform: str | None = None
 
     def _constrain(self, x, *spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))

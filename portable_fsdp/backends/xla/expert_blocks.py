@@ -4,10 +4,8 @@ shapes, so XLA compiles one graph whatever the routing.
 The N·K (token, expert) pairs are placed by expert into blocks of `rows` slots, each block holding one expert's
 pairs (an expert's last block padded with empty slots); each block multiplies its rows by its expert's weights (one
 batched matmul per projection), and the results, scaled by the router weights, are added back into their tokens.
-Every block count is bounded before any routing is known: an expert with c pairs fills ceil(c / rows) blocks, so
-all experts together fill at most (pairs + experts·(rows − 1)) / rows — the shapes are those of that bound, and
-blocks past the experts' own are empty. Nothing is dropped (no capacity factor): a step is that of the model's own
-experts.
+The shapes are those of the bounds in portable_fsdp/routed_blocks.py (blocks past the experts' own are empty).
+Nothing is dropped (no capacity factor): a step is that of the model's own experts.
 
 Expert parallelism (portable_fsdp/backends/xla/expert_dispatch.py) adds two leading dimensions: `sources`, the
 token shards (each routes its own tokens), and `groups`, equal parts of consecutive experts — blocks
@@ -21,15 +19,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from portable_fsdp import routed_blocks
+
 MAX_BLOCK_ROWS = 128  # a block's rows: large enough for an efficient matmul on a TPU's systolic array
-PADDING_SHARE = 4  # rows are chosen so that empty slots stay under 1/PADDING_SHARE of the pairs
-
-
-def block_rows(pairs: int, experts: int) -> int:
-    """The rows of a block: the largest power of two (at most MAX_BLOCK_ROWS) whose padding, at most rows − 1 empty
-    slots per expert, stays under a PADDING_SHARE-th of the pairs."""
-    fitting = max(1, pairs // (PADDING_SHARE * experts))
-    return min(MAX_BLOCK_ROWS, 1 << (fitting.bit_length() - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +35,7 @@ class Shape:
 
     @property
     def rows(self) -> int:
-        return block_rows(self.tokens * self.top_k, self.experts)
+        return routed_blocks.block_rows(self.tokens * self.top_k, self.experts, MAX_BLOCK_ROWS)
 
     @property
     def experts_per_group(self) -> int:
@@ -51,9 +43,8 @@ class Shape:
 
     @property
     def blocks_per_group(self) -> int:
-        # A token sends a group at most min(top_k, its experts) pairs (its top-k experts are distinct).
-        pairs = self.tokens * min(self.top_k, self.experts_per_group)
-        return max(1, (pairs + self.experts_per_group * (self.rows - 1)) // self.rows)
+        pairs = routed_blocks.capacity(self.tokens, self.top_k, self.experts_per_group)
+        return routed_blocks.block_count(pairs, self.experts_per_group, self.rows)
 
     @property
     def slots(self) -> int:
