@@ -140,3 +140,14 @@ def test_sharded_run_exports_full_weights_at_the_end(tmp_path):
     assert "config.json" in files and not any(n.startswith(("optimizer", "rng/", "sharded/")) for n in files)
     evals = [r for r in read_metrics(workdir) if "eval_loss" in r]
     assert _eval_loss_outside_fsdp(export, {}) == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
+
+
+def test_expert_parallel_batches_that_do_not_split_over_the_devices_stop_before_anything_is_written(tmp_path):
+    proc = xla_cli(tmp_path / "run", "--config.plan.tp_size=2", "--config.plan.ep_size=2",
+                   "--config.train.batch_size=1", "--config.train.eval_batch_size=1", "--config.data.seq_len=63")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: plan.ep_size: expert parallelism sends each device's share of a batch's 63 tokens (rows x positions) "
+        "to the experts' devices: they must divide by the 2 devices; make train.batch_size / "
+        "train.grad_accum_steps x data.seq_len a multiple of 2, or set plan.ep_size=1"]
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -114,3 +114,22 @@ def test_a_plan_that_splits_nothing_is_an_error_not_plain_fsdp():
         layout.parameter_specs(meta_model("llama"), {"layers.*.attn.c_attn": "colwise"}, 0, FSDP2_TP2)
     with pytest.raises(UserError, match="plan.ep_size: found no fused expert weights"):
         layout.parameter_specs(meta_model("llama"), {}, 4, FSDP4_EP2)
+
+
+def test_expert_parallelism_needs_batches_whose_tokens_split_over_the_devices():
+    """Every device dispatches its share of a batch's tokens; checked for the run's micro-batches and eval batches
+    before any worker starts, each error naming the field that sets the batch's rows."""
+    import ml_collections
+
+    config = ml_collections.ConfigDict({"train": {"batch_size": 4, "grad_accum_steps": 2, "eval_batch_size": 3},
+                                        "data": {"seq_len": 5}})
+    with pytest.raises(UserError) as error:
+        layout.check_expert_batches(config, 4)  # 2 rows x 5 positions
+    assert error.value.field == "plan.ep_size" and "\n" not in str(error.value)
+    assert "10 tokens" in str(error.value)
+    assert "make train.batch_size / train.grad_accum_steps x data.seq_len a multiple of 4" in str(error.value)
+    config.data.seq_len = 8
+    with pytest.raises(UserError) as error:
+        layout.check_expert_batches(config, 16)  # train: 16 tokens; eval: 3 rows x 8
+    assert "24 tokens" in str(error.value) and "make train.eval_batch_size x data.seq_len" in str(error.value)
+    layout.check_expert_batches(config, 8)

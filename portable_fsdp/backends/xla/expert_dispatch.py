@@ -25,8 +25,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 
 from portable_fsdp.backends.hf_torch import experts
-from portable_fsdp.backends.xla import expert_blocks
-from portable_fsdp.errors import UserError
+from portable_fsdp.backends.xla import expert_blocks, layout
 from portable_fsdp.placement import EXPERT_AXES, MESH_AXES
 
 # Every device dispatches its own tokens: its share of the rows and positions it holds, split further over tp (the
@@ -52,11 +51,7 @@ def dispatching_forward(module, hidden_states: torch.Tensor, top_k_index: torch.
                         top_k_weights: torch.Tensor, *, mesh) -> torch.Tensor:
     sizes = mesh.shape()
     sources, groups = (math.prod(sizes[a] for a in axes) for axes in (SOURCE_AXES, EXPERT_AXES))
-    if hidden_states.shape[0] % sources:
-        raise UserError("plan.ep_size", (
-            f"expert parallelism sends each device's share of a batch's {hidden_states.shape[0]} tokens (rows x "
-            f"positions) to the experts' devices: they must divide by the {sources} devices; make "
-            f"train.batch_size / train.grad_accum_steps x data.seq_len a multiple of {sources}, or set plan.ep_size=1"))
+    layout.check_expert_tokens(hidden_states.shape[0], sources)  # checked at start-up for the run's own batches
     shape = expert_blocks.Shape(hidden_states.shape[0] // sources, top_k_index.shape[-1], module.num_experts,
                                 groups, sources)
     routing = expert_blocks.route(top_k_index, shape)

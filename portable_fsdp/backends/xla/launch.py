@@ -15,7 +15,7 @@ import os
 import pathlib
 
 from portable_fsdp.launch import worker
-from portable_fsdp.backends.xla import environment, fsdp_settings
+from portable_fsdp.backends.xla import environment, fsdp_settings, layout
 from portable_fsdp.machine import tpu_vm
 from portable_fsdp.errors import UserError
 from portable_fsdp.config.hf_import import xla_settings_onto_spmd_plan
@@ -108,8 +108,12 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         world = nproc  # refused by the capability table below, before torch_xla counts devices
     else:
         world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
-    if v2 and device == "TPU":  # before anything is written into the workdir
-        check_slice_plan(resolve_plan(config, world), tpu_vm.slice_workers()[1])
+    if v2:  # before anything is written into the workdir
+        planned = resolve_plan(config, world)
+        if device == "TPU":
+            check_slice_plan(planned, tpu_vm.slice_workers()[1])
+        if planned.mesh.ep_size > 1:
+            layout.check_expert_batches(config, world)
     plan = checks(config, "xla", world, workdir, device=device)
     if v2:
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against

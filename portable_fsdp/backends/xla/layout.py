@@ -125,6 +125,26 @@ def parameter_specs(model: nn.Module, tp_plan: dict, num_experts: int, mesh: Mes
     return specs
 
 
+MICRO_BATCH_ROWS = "train.batch_size / train.grad_accum_steps"
+
+
+def check_expert_tokens(tokens: int, devices: int, rows_field: str = MICRO_BATCH_ROWS) -> None:
+    """Under ep every device dispatches its own share of a batch's `tokens` (expert_dispatch.py): the share must
+    be whole. `rows_field`: what sets the batch's rows, for the fix."""
+    if tokens % devices:
+        raise UserError("plan.ep_size", (
+            f"expert parallelism sends each device's share of a batch's {tokens} tokens (rows x positions) to the "
+            f"experts' devices: they must divide by the {devices} devices; make {rows_field} x data.seq_len a "
+            f"multiple of {devices}, or set plan.ep_size=1"))
+
+
+def check_expert_batches(config, devices: int) -> None:
+    """check_expert_tokens for the run's training micro-batches and eval batches, before any worker starts."""
+    t = config.train
+    check_expert_tokens(t.batch_size // t.grad_accum_steps * config.data.seq_len, devices)
+    check_expert_tokens(t.eval_batch_size * config.data.seq_len, devices, "train.eval_batch_size")
+
+
 def base_model_names(model: nn.Module):
     """A function from a name in `model` to the name relative to its base model (transformers' `base_model`,
     what tp-plan keys are written against), or None for a name outside it (the output projection)."""
