@@ -115,6 +115,16 @@ def torchrun(nproc: int, module_args: list, timeout: float, env: dict | None = N
     return proc
 
 
+def attempt(measure, *args) -> dict:
+    """One sub-run; its failure becomes that row's one-line error, not the end of the benchmark."""
+    try:
+        return measure(*args)
+    except subprocess.TimeoutExpired as err:
+        return {"error": f"timed out after {err.timeout:.0f} s"}
+    except (RuntimeError, TimeoutError) as err:
+        return {"error": str(err)}
+
+
 def error_line(stderr: str) -> str:
     """A worker's exception line: torchrun ends stderr with its own failure summary, which names none."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]

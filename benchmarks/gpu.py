@@ -40,13 +40,12 @@ import os
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.common import (parse_benchmark_args, ROOT, config_from_flags, error_line, free_port, fsdp_prefetch,
-                               machine, run_cli, run_python, table, write_json)
+from benchmarks.common import (parse_benchmark_args, ROOT, attempt, config_from_flags, error_line, free_port,
+                               fsdp_prefetch, machine, run_cli, run_python, table, write_json)
 
 INSTALL = "python -m benchmarks.gpu_setup install"
 BUDGET_S = 450  # the machine allows 8 minutes: every sub-run's timeout is cut to what is left of this
@@ -101,16 +100,6 @@ class Budget:
         if left < 30:
             raise TimeoutError("not run: the time budget is spent")
         return min(limit, left)
-
-
-def attempt(measure, *args) -> dict:
-    """One sub-run; its failure becomes that row's one-line error, not the end of the benchmark."""
-    try:
-        return measure(*args)
-    except subprocess.TimeoutExpired as err:
-        return {"error": f"timed out after {err.timeout:.0f} s"}
-    except (RuntimeError, TimeoutError) as err:
-        return {"error": str(err)}
 
 
 def steady(records: list, tokens_per_step: int) -> dict:

@@ -31,13 +31,14 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import (ROOT, error_line, free_port, machine, parse_benchmark_args, run_cli, run_python, table,
-                               write_json)
+from benchmarks.common import (ROOT, attempt, error_line, free_port, machine, parse_benchmark_args, run_cli, run_python,
+                               table, write_json)
 from benchmarks.hf_trainer import run_hf_trainer
 
 RESULTS = ROOT / "benchmarks" / "results" / "peers.json"
 VOCAB, GLOBAL_BATCH, LR, WARMUP, MIN_LR_RATIO, MAX_NORM, ROPE_THETA = 384, 8, 3e-3, 5, 0.1, 1.0, 10000.0
 SKIPPED_STEPS = 2  # compilation, allocator and thread-pool warm-up
+SEED = 0  # ours' default train.seed, given to torchtitan too (which otherwise draws a new one every run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _schedule(steps: int) -> list:
     return [f"--config.train.steps={steps}", f"--config.train.lr={LR}", f"--config.train.warmup_steps={WARMUP}",
             f"--config.train.min_lr_ratio={MIN_LR_RATIO}", f"--config.train.max_grad_norm={MAX_NORM}",
             f"--config.train.batch_size={GLOBAL_BATCH}", "--config.train.log_every=1", "--config.train.eval_every=0",
-            "--config.train.eval_max_batches=1"]
+            "--config.train.eval_max_batches=1", f"--config.seed={SEED}"]
 
 
 def run_ours(shape: Shape, steps: int, nproc: int, backend: str = "cpu", python: str | None = None,
@@ -124,7 +125,7 @@ def run_torchtitan(python: str, inputs: pathlib.Path, shape: Shape, steps: int, 
            "PEER_KV_HEADS": str(shape.kv_heads), "PEER_INTER": str(shape.intermediate), "PEER_VOCAB": str(VOCAB),
            "PEER_SEQ": str(shape.seq_len), "PEER_BATCH": str(GLOBAL_BATCH), "PEER_STEPS": str(steps),
            "PEER_LR": str(LR), "PEER_WARMUP": str(WARMUP), "PEER_MIN_LR_RATIO": str(MIN_LR_RATIO),
-           "PEER_MAX_NORM": str(MAX_NORM), "PEER_ROPE_THETA": str(ROPE_THETA)}
+           "PEER_MAX_NORM": str(MAX_NORM), "PEER_ROPE_THETA": str(ROPE_THETA), "PEER_SEED": str(SEED)}
     with tempfile.TemporaryDirectory(prefix="torchtitan-") as out:
         proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                            str(free_port()), "--log-dir", out + "/agent",
@@ -178,7 +179,7 @@ def run_maxtext(python: str, inputs: pathlib.Path, shape: Shape, steps: int, dev
 
 
 def run_trainer(shape: Shape, steps: int) -> dict:
-    flags = [*shape.ours(), f"--config.train.lr={LR}", f"--config.train.warmup_steps={WARMUP}",
+    flags = [*shape.ours(), f"--config.seed={SEED}", f"--config.train.lr={LR}", f"--config.train.warmup_steps={WARMUP}",
              f"--config.train.min_lr_ratio={MIN_LR_RATIO}", f"--config.train.max_grad_norm={MAX_NORM}"]
     result = run_hf_trainer(flags, shape.seq_len, GLOBAL_BATCH, steps, nproc=2)
     return _result(result["step_seconds"], result["losses"], shape)
@@ -223,35 +224,46 @@ def pairs(torchtitan: str | None, maxtext: str | None, inputs: pathlib.Path) -> 
 
 
 def measure(found: list, shapes: dict, rounds: int, steps: int, report=print) -> list:
-    """Every pair on every shape, `rounds` times, the side that runs first alternating; a row per round."""
+    """Every pair on every shape, `rounds` times, the side that runs first alternating; a row per round. A run that
+    fails is that row's one-line error (its ratio None); the other runs go on."""
     rows = []
     for index in range(rounds):
         for label, shape in shapes.items():
             for pair in found:
                 sides = [("ours", pair.ours), ("peer", pair.theirs)]
-                results = {side: run(shape, steps) for side, run in (sides if index % 2 == 0 else sides[::-1])}
-                row = {"round": index + 1, "shape": label, "pair": pair.name, "peer": pair.peer,
-                       "ranks": pair.ranks, **results,
-                       "ratio": results["ours"]["tokens_per_sec"] / results["peer"]["tokens_per_sec"]}
-                report(f"round {index + 1} {label} {pair.name}: {results['ours']['tokens_per_sec']:,.0f} vs "
-                       f"{results['peer']['tokens_per_sec']:,.0f} tokens/s ({row['ratio']:.2f}x)")
-                rows.append(row)
+                results = {side: attempt(run, shape, steps)
+                           for side, run in (sides if index % 2 == 0 else sides[::-1])}
+                failed = [f"{side} failed: {result['error']}" for side, result in results.items() if "error" in result]
+                ratio = None if failed else results["ours"]["tokens_per_sec"] / results["peer"]["tokens_per_sec"]
+                rows.append({"round": index + 1, "shape": label, "pair": pair.name, "peer": pair.peer,
+                             "ranks": pair.ranks, **results, "ratio": ratio})
+                outcome = "; ".join(failed) if failed else (
+                    f"{results['ours']['tokens_per_sec']:,.0f} vs {results['peer']['tokens_per_sec']:,.0f} tokens/s "
+                    f"({ratio:.2f}x)")
+                report(f"round {index + 1} {label} {pair.name}: {outcome}")
     return rows
 
 
 def summary(rows: list) -> list:
-    """Per shape and pair: tokens/s of every round on each side, ratios per round, their median, and how far
-    apart the loss curves end (final losses, and the largest gap over the last half of the steps)."""
+    """Per shape and pair: tokens/s of every round on each side ("failed" for a run that did), ratios per round,
+    the median of those measured, and how far apart the loss curves of the last measured round end (final losses,
+    and the largest gap over the last half of the steps)."""
+    def tokens(result: dict) -> str:
+        return "failed" if "error" in result else f"{result['tokens_per_sec']:,.0f}"
+
     table_rows = []
     for key in dict.fromkeys((r["shape"], r["pair"]) for r in rows):
         group = [r for r in rows if (r["shape"], r["pair"]) == key]
-        ours = [r["ours"]["tokens_per_sec"] for r in group]
-        theirs = [r["peer"]["tokens_per_sec"] for r in group]
-        ratios = [r["ratio"] for r in group]
-        last = group[-1]
+        measured = [r for r in group if r["ratio"] is not None]
+        ratios = [r["ratio"] for r in measured]
+        row = [key[0], key[1], ", ".join(tokens(r["ours"]) for r in group), ", ".join(tokens(r["peer"]) for r in group),
+               ", ".join("-" if r["ratio"] is None else f"{r['ratio']:.2f}" for r in group)]
+        if not measured:
+            table_rows.append([*row, "-", "-", "-"])
+            continue
+        last = measured[-1]
         gap = loss_gap(last["ours"]["losses"], last["peer"]["losses"])
-        table_rows.append([key[0], key[1], ", ".join(f"{x:,.0f}" for x in ours), ", ".join(f"{x:,.0f}" for x in theirs),
-                           ", ".join(f"{x:.2f}" for x in ratios), f"{statistics.median(ratios):.2f}x",
+        table_rows.append([*row, f"{statistics.median(ratios):.2f}x",
                            f"{last['ours']['losses'][-1]:.3f} / {last['peer']['losses'][-1]:.3f}", f"{gap:.3f}"])
     return table_rows
 
@@ -297,6 +309,9 @@ def main(argv=None) -> None:
     write_json(out, {"machine": machine(), "rounds": rounds, "steps": steps, "global_batch": GLOBAL_BATCH,
                      "shapes": {k: dataclasses.asdict(v) for k, v in shapes.items()}, "skipped": skipped, "rows": rows})
     print(f"results: {out}")
+    failed = sum(r["ratio"] is None for r in rows)
+    if failed:
+        sys.exit(f"{failed} of {len(rows)} rounds failed: their errors are in the log above and in {out}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ for benchmarks/peers.py. Sizes and hyper-parameters come from PEER_* variables t
 Attention is ScaledDotProductAttention (causal) instead of flex or varlen: flex has no backward on CPU and varlen
 runs on CUDA only. What stays torchtitan's own: its initialisation (truncated normal, depth-scaled outputs), its
 RoPE layout (complex pairs), its fused qkv projection, weight decay on every parameter, its data loader (documents
-in order, the end-of-document token never an input)."""
+in order, the end-of-document token never an input). Its seed is pinned (PEER_SEED, ours' train.seed), so that its
+loss curve is the same from run to run."""
 import os
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -12,7 +13,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer
 from torchtitan.components.validate import Validator
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -64,4 +65,5 @@ def llama_peer() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
         validator=Validator.Config(enable=False),
+        debug=DebugConfig(seed=_env("PEER_SEED")),  # unset, each run would draw other initial weights
     )

@@ -104,3 +104,31 @@ def test_a_failed_peer_is_reported_by_its_workers_error_not_torchruns_summary(mo
     monkeypatch.setattr(peers, "run_python", lambda *args, **kwargs: failed)
     with pytest.raises(RuntimeError, match="^torchtitan failed: ValueError: seq_len 4096 exceeds max_seq_len 1024$"):
         peers.run_torchtitan(sys.executable, tmp_path, SHAPE, 8, 2)
+
+
+def test_a_failed_run_is_its_rounds_error_line_and_the_other_runs_go_on():
+    calls = {"peer": 0}
+
+    def ours(shape, steps):
+        return {"tokens_per_sec": 120.0, "step_seconds": [1.0] * steps, "losses": [6.0, 5.0]}
+
+    def flaky_peer(shape, steps):
+        calls["peer"] += 1
+        if calls["peer"] == 2:
+            raise RuntimeError("torchtitan failed: RuntimeError: Connection closed by peer")
+        return {"tokens_per_sec": 100.0, "step_seconds": [1.0] * steps, "losses": [6.1, 5.2]}
+
+    def broken(shape, steps):
+        raise subprocess.TimeoutExpired(["python"], 3600)
+
+    lines = []
+    rows = peers.measure([peers.Pair("ours / peer, 2 ranks", "peer", 2, ours, flaky_peer),
+                          peers.Pair("ours / broken, 2 ranks", "broken", 2, ours, broken)],
+                         {"s": SHAPE}, rounds=3, steps=4, report=lines.append)
+    assert len(rows) == 6 and calls["peer"] == 3
+    assert lines[2] == ("round 2 s ours / peer, 2 ranks: peer failed: torchtitan failed: RuntimeError: Connection "
+                        "closed by peer")
+    assert lines[1] == "round 1 s ours / broken, 2 ranks: peer failed: timed out after 3600 s"
+    flaky, never = peers.summary(rows)
+    assert flaky[3:6] == ["100, failed, 100", "1.20, -, 1.20", "1.20x"]
+    assert never[3:] == ["failed, failed, failed", "-, -, -", "-", "-", "-"]
