@@ -38,7 +38,7 @@ from benchmarks.hf_trainer import run_hf_trainer
 RESULTS = ROOT / "benchmarks" / "results" / "peers.json"
 VOCAB, GLOBAL_BATCH, LR, WARMUP, MIN_LR_RATIO, MAX_NORM, ROPE_THETA = 384, 8, 3e-3, 5, 0.1, 1.0, 10000.0
 SKIPPED_STEPS = 2  # compilation, allocator and thread-pool warm-up
-SEED = 0  # ours' default train.seed, given to torchtitan too (which otherwise draws a new one every run)
+SEED = 0  # ours' default seed (--config.seed), given to torchtitan too (which otherwise draws a new one every run)
 
 
 @dataclasses.dataclass(frozen=True)

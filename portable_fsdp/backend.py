@@ -137,8 +137,10 @@ class Backend(Protocol):
     def start_workers(self, config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
         """Start this machine's workers and return the run's summary (rank 0's; None where another process
         returns it): `spec` is what `portable_fsdp.launch.worker.main` runs, `nodes` the machines of the run
-        (`accelerate_launch.LaunchSettings`), `checks(config, backend_name, world_size, workdir, device=None)`
-        the launcher's start-up checks, to call once the world size is known and before any worker starts. A
+        (`accelerate_launch.LaunchSettings`), `checks(config, backend_name, world_size, workdir, device=None,
+        lowering_checks=None)` the launcher's start-up checks (launcher.preflight; `lowering_checks(plan)`: the
+        lowering's own, run after the shared ones), to call once the world size is known and before any worker
+        starts. A
         failed run prints its `error:` line and raises SystemExit with its exit status."""
 
     def check_machines(self, nodes, path: str) -> None:

@@ -27,6 +27,12 @@ def block_count(pairs: int, experts: int, rows: int) -> int:
     return max(1, (pairs + min(experts, pairs) * (rows - 1)) // rows)
 
 
+def padded_rows(pairs: int, experts: int, largest: int | None = None) -> int:
+    """The rows the blocks for any routing of `pairs` pairs among `experts` experts take: what the matmuls run on."""
+    rows = block_rows(pairs, experts, largest)
+    return block_count(pairs, experts, rows) * rows
+
+
 def capacity(tokens: int, top_k: int, experts: int) -> int:
     """The most pairs `tokens` tokens with `top_k` experts each route to a set of `experts` experts."""
     return tokens * min(top_k, experts)

@@ -4,7 +4,7 @@ for benchmarks/peers.py. Sizes and hyper-parameters come from PEER_* variables t
 Attention is ScaledDotProductAttention (causal) instead of flex or varlen: flex has no backward on CPU and varlen
 runs on CUDA only. What stays torchtitan's own: its initialisation (truncated normal, depth-scaled outputs), its
 RoPE layout (complex pairs), its fused qkv projection, weight decay on every parameter, its data loader (documents
-in order, the end-of-document token never an input). Its seed is pinned (PEER_SEED, ours' train.seed), so that its
+in order, the end-of-document token never an input). Its seed is pinned (PEER_SEED, ours' seed), so that its
 loss curve is the same from run to run."""
 import os
 

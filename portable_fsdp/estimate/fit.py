@@ -25,20 +25,7 @@ def estimate_config(config, target: Target, ranks: list | None = None, estimator
 def check_fit(config, backend: str, world_size: int, device: str, local_ranks: int | None = None) -> None:
     """train.check_fit at start-up: a UserError naming settings that fit when the run's peak per rank exceeds its
     device's usable memory. `device`: the device type the run uses (cuda, cpu, TPU, ...)."""
-    device = device.lower()
-    if device == "cuda":
-        name = "auto"  # the visible GPU
-    elif device == "tpu":
-        name = tpu_from_environment() or ""
-        if not name:
-            raise UserError("train.check_fit", "cannot tell which TPU this is: set TPU_ACCELERATOR_TYPE (e.g. v5p-8), "
-                            "or check beforehand with python -m portable_fsdp.estimate --device v5p")
-    elif device == "cpu":
-        name = "cpu"
-    else:
-        raise UserError("train.check_fit", f"knows no memory size for {device} devices; set it to false, or check "
-                        "with python -m portable_fsdp.estimate --device NAME")
-    target = resolve_target(backend, name, local_ranks or world_size)
+    target = resolve_target(backend, fit_device(device), local_ranks or world_size)
     target = dataclasses.replace(target, nproc=world_size)
     try:
         with Estimator() as estimator:
@@ -49,3 +36,21 @@ def check_fit(config, backend: str, world_size: int, device: str, local_ranks: i
     except EstimateFailed as err:
         raise UserError("train.check_fit", f"the memory estimate failed ({err}); set it to false to start anyway")
     raise UserError("train.check_fit", line + "; set train.check_fit=false to start anyway")
+
+
+def fit_device(device: str) -> str:
+    """The estimate's device for a run on `device` (as its framework names it: cuda, gpu, cpu, TPU, ...): the
+    visible GPU (torch's cuda, JAX's gpu), this TPU VM's chips, or host memory."""
+    device = device.lower()
+    if device in ("cuda", "gpu"):
+        return "detected"
+    if device == "tpu":
+        name = tpu_from_environment()
+        if not name:
+            raise UserError("train.check_fit", "cannot tell which TPU this is: set TPU_ACCELERATOR_TYPE (e.g. v5p-8), "
+                            "or check beforehand with python -m portable_fsdp.estimate --device v5p")
+        return name
+    if device == "cpu":
+        return "cpu"
+    raise UserError("train.check_fit", f"knows no memory size for {device} devices; set it to false, or check "
+                    "with python -m portable_fsdp.estimate --device NAME")

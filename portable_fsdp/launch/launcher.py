@@ -26,15 +26,18 @@ def under_torchrun() -> bool:
 
 
 def preflight(config, backend_name: str, world_size: int, workdir: pathlib.Path, device: str | None = None,
-              claim: workdir_lock.Claim | None = None, parts: Parts = NO_PARTS):
+              claim: workdir_lock.Claim | None = None, parts: Parts = NO_PARTS, lowering_checks=None):
     """Every check that can be made without starting a worker. `device`: the device type the run uses, when
     it is not the backend's name (xla: the PJRT device; flax: the JAX platform). `claim`: the workdir's lock,
     taken before anything is written there when this process owns the run. `parts`: the model, loss, optimizer
-    and schedule a caller of `portable_fsdp.train` brought (their model is the one checked)."""
+    and schedule a caller of `portable_fsdp.train` brought (their model is the one checked). `lowering_checks`:
+    a lowering's own checks of the resolved plan, `(plan) -> None`, run once the shared ones pass."""
     plan = resolve_plan(config, world_size)
     backend = backends.load(backend_name)
     info = backend.describe_model(config, parts)  # the model's family and own settings: capability rules read them
     check_backend(config, plan, backend_name, device or backend_name, world_size, info)
+    if lowering_checks is not None:
+        lowering_checks(plan)
     plan.wrap_classes(info)
     for message in plan.wrap_warnings(info):
         notify(message)

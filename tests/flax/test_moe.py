@@ -241,16 +241,22 @@ def test_the_flop_count_is_what_xla_compiles():
 
 
 @needs_devices(2)
-def test_the_estimate_reports_the_executed_expert_flops(tmp_path_factory):
+def test_the_estimate_reports_the_executed_expert_flops(tmp_path_factory, monkeypatch):
     """Mixtral's 2 of 4 experts on ep 2: on a GPU each device keeps room for its 2 experts on every token of both
-    ep ranks, twice the active expert FLOPs."""
-    from portable_fsdp.backends.flax import estimate
+    ep ranks, twice the active expert FLOPs; the program compiled for it traces the GPU's grouped matmul (its
+    stand-in on these host devices), not the CPU's blocks."""
+    from portable_fsdp.backends.flax import estimate, moe
     from portable_fsdp.estimate.report import expert_flops_line
     from tests.flax.conftest import make_config
     from tests.parity import families
 
+    traced = []
+    stand_in = moe.grouped_stand_in
+    monkeypatch.setattr(moe, "grouped_stand_in", lambda *args: traced.append(args[0].shape) or stand_in(*args))
+    monkeypatch.setattr(moe, "block_mlp", lambda *args: pytest.fail("the CPU kernel traced for a GPU"))
     config = make_config({**families.overrides(families.saved(tmp_path_factory, "mixtral")), "plan.ep_size": 2})
     result = estimate.estimate_memory({"config": config.to_dict(), "world": 2, "device": "gpu"})
+    assert traced  # one per MoE layer and trace
     counted = result["expert_flops_per_token"]
     assert counted["executed"] == 2 * counted["active"]
     assert expert_flops_line(counted).startswith(f"experts: {counted['executed']:.3g} FLOPs per token executed, 2.00x")

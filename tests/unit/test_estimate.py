@@ -148,3 +148,18 @@ def test_the_report_names_where_the_ep_ranks_come_from():
     assert mesh_words(ShardingPlan(mesh=MeshSpec(ep_size=2).resolve(4))) == "fsdp 4 x ep 2 (of fsdp)"
     assert mesh_words(ShardingPlan(mesh=MeshSpec(ep_size=4, tp_size=2).resolve(4))) == \
         "fsdp 2 x tp 2 x ep 4 (of fsdp x tp)"
+
+
+def test_check_fit_estimates_the_visible_gpu_for_torch_and_jax_alike(monkeypatch):
+    """A run's device as its framework names it: cuda (torch) and gpu (JAX) are the visible GPU, traced with the
+    lowering's GPU choices (flax: the grouped matmul's buffers), not host memory."""
+    from portable_fsdp.estimate import fit, target
+
+    monkeypatch.setattr(target, "_visible_gpu", lambda: ("NVIDIA H100 80GB HBM3", 80 * 2**30, 8))
+    assert fit.fit_device("cuda") == fit.fit_device("GPU") == "detected"
+    assert fit.fit_device("cpu") == "cpu"
+    assert target.resolve_target("flax", fit.fit_device("gpu"), 8).device_type == "gpu"
+    assert target.resolve_target("cuda", fit.fit_device("cuda"), 8).device_type == "cuda"
+    with pytest.raises(UserError) as error:
+        fit.fit_device("xpu")
+    assert error.value.field == "train.check_fit" and "knows no memory size for xpu devices" in str(error.value)

@@ -30,7 +30,8 @@ def test_the_block_count_is_the_worst_routing(experts, rows):
 def test_block_rows_keep_the_padding_under_its_share(pairs, experts, largest):
     rows = routed_blocks.block_rows(pairs, experts, largest)
     assert rows & (rows - 1) == 0 and 1 <= rows <= (largest or pairs)
-    executed = routed_blocks.block_count(pairs, experts, rows) * rows
+    executed = routed_blocks.padded_rows(pairs, experts, largest)
+    assert executed == routed_blocks.block_count(pairs, experts, rows) * rows
     assert pairs <= executed <= max(pairs * (1 + 1 / routed_blocks.PADDING_SHARE), pairs + experts - 1)
     if rows != largest:  # the largest such power of two: twice as many rows would pad too much
         assert experts * 2 * rows > pairs / routed_blocks.PADDING_SHARE

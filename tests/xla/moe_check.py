@@ -98,8 +98,9 @@ def dot_flops(step: str) -> int:
     total = 0
     for result, lhs, contracted in re.findall(
             r"= \w+\[([\d,]*)\]\S* dot\(%([^,]+),[^)]*\).*?lhs_contracting_dims=\{([\d,]*)\}", step):
-        lhs_dims = [int(d) for d in shapes[lhs].split(",")]
-        total += 2 * math.prod(map(int, result.split(","))) * math.prod(lhs_dims[int(i)] for i in contracted.split(","))
+        lhs_dims = [int(d) for d in shapes[lhs].split(",") if d]
+        elements = math.prod(int(d) for d in result.split(",") if d)
+        total += 2 * elements * math.prod(lhs_dims[int(i)] for i in contracted.split(",") if i)
     return total
 
 

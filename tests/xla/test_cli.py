@@ -142,9 +142,14 @@ def test_sharded_run_exports_full_weights_at_the_end(tmp_path):
     assert _eval_loss_outside_fsdp(export, {}) == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
 
 
-def test_expert_parallel_batches_that_do_not_split_over_the_devices_stop_before_anything_is_written(tmp_path):
-    proc = xla_cli(tmp_path / "run", "--config.plan.tp_size=2", "--config.plan.ep_size=2",
-                   "--config.train.batch_size=1", "--config.train.eval_batch_size=1", "--config.data.seq_len=63")
+def test_expert_parallel_batches_that_do_not_split_over_the_devices_stop_before_anything_is_written(
+        tmp_path, tmp_path_factory):
+    from tests.parity import families
+
+    mixtral = families.saved(tmp_path_factory, "mixtral")
+    proc = xla_cli(tmp_path / "run", f"--config.model.init_from={mixtral}", "--config.plan.tp_size=2",
+                   "--config.plan.ep_size=2", "--config.train.batch_size=1", "--config.train.eval_batch_size=1",
+                   "--config.data.seq_len=63")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         "error: plan.ep_size: expert parallelism sends each device's share of a batch's 63 tokens (rows x positions) "

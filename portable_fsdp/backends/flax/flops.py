@@ -33,8 +33,7 @@ def expert_flops_per_token(arch: LlamaArchitecture, tokens: int, platform: str, 
     local = experts // (ep * tp)
     rows = ep * routed_blocks.capacity(tokens, top_k, local)
     if moe.kernel_for(platform) is moe.block_mlp:
-        size = routed_blocks.block_rows(rows, local)
-        rows = routed_blocks.block_count(rows, local, size) * size
+        rows = routed_blocks.padded_rows(rows, local)
     # an ep × tp group computes ep × tp devices' rows for the ep × `tokens` tokens its ep ranks hold
     executed = tp * rows * per_row / tokens
     return ExpertFlops(executed * arch.num_layers, top_k * per_row * arch.num_layers)

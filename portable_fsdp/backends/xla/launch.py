@@ -98,9 +98,9 @@ def owns_workdir(nodes) -> bool:
 
 
 def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
-    """`checks(config, backend_name, world_size, workdir, device) -> plan`: the launcher's shared checks (the
-    capability table included). Returns the run's summary (None under FSDP v1, whose processes torch_xla
-    starts). On a TPU slice of several hosts every host runs this; torch_xla joins them."""
+    """`checks(config, backend_name, world_size, workdir, device, lowering_checks) -> plan`: the launcher's shared
+    checks (the capability table included), then this lowering's own (expert parallelism's batches). Returns the
+    run's summary (None under FSDP v1, whose processes torch_xla starts). On a TPU slice of several hosts every host runs this; torch_xla joins them."""
     environment.configure(nproc)
     device = environment.device_type()
     v2 = config.plan.xla_fsdp_v2
@@ -108,13 +108,14 @@ def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, 
         world = nproc  # refused by the capability table below, before torch_xla counts devices
     else:
         world = environment.spmd_device_count(device, nproc) if v2 else environment.v1_process_count(device)
-    if v2:  # before anything is written into the workdir
-        planned = resolve_plan(config, world)
-        if device == "TPU":
-            check_slice_plan(planned, tpu_vm.slice_workers()[1])
-        if planned.mesh.ep_size > 1:
+    if v2 and device == "TPU":  # before anything is written into the workdir
+        check_slice_plan(resolve_plan(config, world), tpu_vm.slice_workers()[1])
+
+    def spmd_checks(plan):
+        if v2 and plan.mesh.ep_size > 1:
             layout.check_expert_batches(config, world)
-    plan = checks(config, "xla", world, workdir, device=device)
+
+    plan = checks(config, "xla", world, workdir, device=device, lowering_checks=spmd_checks)
     if v2:
         os.environ["WORLD_SIZE"] = str(world)  # what the worker resolves the plan against
         return worker.main(spec)
