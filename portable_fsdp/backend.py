@@ -140,8 +140,7 @@ class Backend(Protocol):
         (`accelerate_launch.LaunchSettings`), `checks(config, backend_name, world_size, workdir, device=None,
         lowering_checks=None)` the launcher's start-up checks (launcher.preflight; `lowering_checks(plan)`: the
         lowering's own, run after the shared ones), to call once the world size is known and before any worker
-        starts. A
-        failed run prints its `error:` line and raises SystemExit with its exit status."""
+        starts. A failed run prints its `error:` line and raises SystemExit with its exit status."""
 
     def check_machines(self, nodes, path: str) -> None:
         """Refuse, naming the key of the Accelerate file at `path`, a run on several machines (`nodes.multi_node`)

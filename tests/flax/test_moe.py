@@ -60,7 +60,9 @@ def value_and_grads(layer, x, weights, chosen, gate_up, down):
 def assert_same(mine, reference):
     import jax
 
-    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(reference)):  # float32 sums in another order
+    # 1e-5 of the values' scale (tests/xla/test_moe.py states the bar the same way): gate_up's gradients reach ~8.4
+    # here, and float32 sums of them in another block order differ by up to 1.1e-5 absolute, 1.4e-6 relative
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(reference)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= TOLERANCE * max(1.0, np.abs(b).max())
 

@@ -100,7 +100,8 @@ def owns_workdir(nodes) -> bool:
 def start_workers(config, spec: dict, workdir: pathlib.Path, nproc: int, nodes, checks) -> dict | None:
     """`checks(config, backend_name, world_size, workdir, device, lowering_checks) -> plan`: the launcher's shared
     checks (the capability table included), then this lowering's own (expert parallelism's batches). Returns the
-    run's summary (None under FSDP v1, whose processes torch_xla starts). On a TPU slice of several hosts every host runs this; torch_xla joins them."""
+    run's summary (None under FSDP v1, whose processes torch_xla starts). On a TPU slice of several hosts every
+    host runs this; torch_xla joins them."""
     environment.configure(nproc)
     device = environment.device_type()
     v2 = config.plan.xla_fsdp_v2
